@@ -1,0 +1,130 @@
+"""Every use of JAX internals, in one place.
+
+Rule bodies in ``t2j_ad/rules`` never see ``ad.Zero``, ``ad.UndefinedPrimal``
+or batching sentinels: the adapters here translate them into plain values or
+``None`` on the way in, and back on the way out (STYLE.md item 4). When JAX
+moves an internal again, this is the only file that changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+# JAX >= 0.4.36 exposes the abstract-array class here; older releases kept it
+# in jax.core.
+from jax.core import ShapedArray
+
+# jax._src.dispatch.apply_primitive is what every lax primitive's impl uses:
+# it jit-compiles the single primitive, so eager calls share the lowering.
+from jax._src.dispatch import apply_primitive
+
+try:  # JAX >= 0.6: zero-copy CPU/GPU callback on mutable output buffers.
+    from jax.experimental.buffer_callback import buffer_callback
+except ImportError:  # pragma: no cover - older JAX; backends/callback.py copes.
+    buffer_callback = None
+
+float0 = jax.dtypes.float0
+
+__all__ = [
+    "Primitive",
+    "ShapedArray",
+    "buffer_callback",
+    "float0",
+    "lower_fun",
+    "make_primitive",
+    "register_rules",
+]
+
+
+def make_primitive(name: str) -> Primitive:
+    prim = Primitive(name)
+    prim.multiple_results = True
+    return prim
+
+
+def lower_fun(fun: Callable[..., Sequence[Any]]) -> Callable[..., Sequence[Any]]:
+    """An MLIR lowering rule that traces ``fun`` (JAX code) in place."""
+    return mlir.lower_fun(fun, multiple_results=True)
+
+
+def _tangent_or_none(tangent: Any) -> Any:
+    # A symbolic zero, or a concrete float0 tangent (what integer inputs get),
+    # both mean "do not differentiate this input".
+    if type(tangent) is ad.Zero:
+        return None
+    if getattr(tangent, "dtype", None) == float0:
+        return None
+    return tangent
+
+
+def _zero_like_output(aval: ShapedArray) -> ad.Zero:
+    return ad.Zero(aval.to_tangent_aval())
+
+
+def register_rules(
+    prim: Primitive,
+    *,
+    impl: Callable[..., Sequence[Any]] | None,
+    abstract_eval: Callable[..., Sequence[ShapedArray]],
+    jvp: Callable[..., tuple[Sequence[Any], Sequence[Any]]],
+    transpose: Callable[..., Sequence[Any]],
+    batch: Callable[..., tuple[Sequence[Any], Sequence[int | None]]],
+    lowering: Callable[..., Sequence[Any]],
+) -> None:
+    """Register plain-valued rules on ``prim`` through adapters.
+
+    The rule signatures the adapters expect:
+
+    - ``jvp(primals, tangents, **params) -> (outs, out_tangents)``, where an
+      input tangent of ``None`` is a symbolic zero and an output tangent of
+      ``None`` means "zero".
+    - ``transpose(cts, args, linear, **params) -> input_cts``: ``cts`` has
+      ``None`` for zero cotangents, ``args`` has ``None`` where the input is
+      linear (``linear[i]`` is True), and the result has one entry per input
+      (``None`` for a zero cotangent or a non-linear input).
+    - ``batch(args, dims, **params) -> (outs, out_dims)``: ``None`` dims are
+      unbatched.
+    """
+    if impl is None:
+        prim.def_impl(lambda *args, **params: apply_primitive(prim, *args, **params))
+    else:
+        prim.def_impl(impl)
+    prim.def_abstract_eval(abstract_eval)
+
+    def jvp_adapter(primals, tangents, **params):
+        tangents = [_tangent_or_none(t) for t in tangents]
+        outs, out_tangents = jvp(list(primals), tangents, **params)
+        out_avals = abstract_eval(*[jax.typeof(p) for p in primals], **params)
+        out_tangents = [
+            _zero_like_output(aval) if t is None else t
+            for t, aval in zip(out_tangents, out_avals)
+        ]
+        return outs, out_tangents
+
+    def transpose_adapter(cts, *args, **params):
+        linear = [ad.is_undefined_primal(a) for a in args]
+        values = [None if lin else a for a, lin in zip(args, linear)]
+        cts = [None if type(ct) is ad.Zero else ct for ct in cts]
+        in_cts = transpose(cts, values, linear, **params)
+        result = []
+        for a, lin, ct in zip(args, linear, in_cts):
+            if not lin:
+                result.append(None)
+            elif ct is None:
+                result.append(ad.Zero(a.aval.to_tangent_aval()))
+            else:
+                result.append(ct)
+        return result
+
+    def batch_adapter(args, dims, **params):
+        return batch(list(args), list(dims), **params)
+
+    ad.primitive_jvps[prim] = jvp_adapter
+    ad.primitive_transposes[prim] = transpose_adapter
+    batching.primitive_batchers[prim] = batch_adapter
+    mlir.register_lowering(prim, lowering)

@@ -1,0 +1,40 @@
+"""The torch_call primitive: abstract evaluation, lowering, and the one block
+that registers every rule."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from . import backends
+from ._jax_internals import ShapedArray, make_primitive, register_rules
+from .rules.batching import torch_call_batch
+from .rules.jvp import torch_call_jvp
+from .rules.transpose import torch_call_transpose
+from .torch_fn import TorchFn
+
+torch_call_p = make_primitive("torch_call")
+
+
+def torch_call(args: Sequence[Any], fun: TorchFn) -> list[Any]:
+    """Bind the primitive: run ``fun`` (a TorchFn) on flat JAX arrays."""
+    return list(torch_call_p.bind(*args, fun=fun))
+
+
+def torch_call_abstract_eval(*avals: Any, fun: TorchFn) -> list[ShapedArray]:
+    return [ShapedArray(a.shape, a.dtype) for a in fun.out_avals]
+
+
+def torch_call_lowering(ctx: Any, *args: Any, fun: TorchFn) -> Sequence[Any]:
+    return backends.select().lower(ctx, *args, fun=fun)
+
+
+register_rules(
+    torch_call_p,
+    impl=None,  # eager calls compile the single primitive, like lax ops
+    abstract_eval=torch_call_abstract_eval,
+    jvp=torch_call_jvp,
+    transpose=torch_call_transpose,
+    batch=torch_call_batch,
+    lowering=torch_call_lowering,
+)

@@ -1,0 +1,204 @@
+"""Fallbacks for PyTorch code that ``torch.func`` refuses.
+
+NOTE [fallbacks]
+``torch.func`` refuses three kinds of code, each with its own error:
+
+- an ``autograd.Function`` without a ``jvp`` staticmethod refuses forward mode
+  (``NotImplementedError: You must implement the jvp function ...``). Forward
+  mode then comes from the double-vjp trick: ``u -> J^T u`` is linear, so its
+  vjp with cotangent ``t`` is ``(J^T)^T t = J t``. It needs only reverse mode
+  and works inside ``torch.vmap`` when the Function has a vmap rule.
+- an old-style ``autograd.Function`` (``forward(ctx, ...)``, no
+  ``setup_context``) refuses every transform. Reverse mode then uses
+  ``torch.autograd.grad(..., create_graph=True)``, so it can be differentiated
+  again; forward mode is the double-vjp trick on top of that; batching is the
+  sequential loop (the ``auto`` vmap method falls back to it).
+- code ``torch.vmap`` cannot trace (``.item()``, data-dependent control flow)
+  refuses batching; with ``vmap_method="auto"`` it runs sequentially.
+
+Each fallback is decided once per function and transform prefix, remembered
+on the ``BaseFn`` (so later calls pay no failed attempt), and announced with
+one warning that names the function and PyTorch's reason.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.func
+
+
+class FallbackWarning(UserWarning):
+    """A PyTorch function runs on a slower path that still gives exact results."""
+
+
+_FORWARD_REFUSALS = (
+    "You must implement the jvp function",
+    "must override the setup_context staticmethod",
+)
+_FUNCTORCH_REFUSALS = ("must override the setup_context staticmethod",)
+
+
+def _refused(err: BaseException, needles: Sequence[str]) -> bool:
+    text = str(err)
+    return isinstance(err, (RuntimeError, NotImplementedError)) and any(n in text for n in needles)
+
+
+def warn_once(base: Any, kind: str, message: str) -> None:
+    warned = base.__dict__.setdefault("warned", set())
+    if kind in warned:
+        return
+    warned.add(kind)
+    warnings.warn(message, FallbackWarning, stacklevel=3)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+# --------------------------------------------------------------------- reverse
+
+
+def autograd_vjp(
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+    primals: Sequence[torch.Tensor],
+    cotangents: Sequence[torch.Tensor],
+) -> tuple[torch.Tensor, ...]:
+    """``J^T c`` by ``torch.autograd.grad`` with ``create_graph=True``."""
+    with torch.enable_grad():
+        # A fresh autograd node per input, even when the caller passed one
+        # tensor twice, so each input gets its own gradient; inputs that
+        # already carry a graph (an outer fallback level) stay connected.
+        xs = [p.view_as(p) if p.requires_grad else p.detach().requires_grad_(True) for p in primals]
+        outs = fn(*xs)
+        pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
+        if not pairs:
+            return tuple(torch.zeros_like(p) for p in primals)
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs],
+            xs,
+            [c for _, c in pairs],
+            allow_unused=True,
+            create_graph=True,
+        )
+    return tuple(torch.zeros_like(p) if g is None else g for g, p in zip(grads, primals))
+
+
+def reverse_mode(
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+    primals: Sequence[torch.Tensor],
+    cotangents: Sequence[torch.Tensor],
+    *,
+    base: Any,
+    key: Any,
+) -> tuple[torch.Tensor, ...]:
+    """Cotangents of ``primals``: ``torch.func.vjp``, else ``autograd.grad``."""
+    decided = base.__dict__.setdefault("fallbacks", {})
+    if decided.get(("vjp", key)) != "autograd":
+        try:
+            _, pullback = torch.func.vjp(fn, *primals)
+            return tuple(pullback(tuple(cotangents)))
+        except (RuntimeError, NotImplementedError) as err:
+            if not _refused(err, _FUNCTORCH_REFUSALS):
+                raise
+            decided[("vjp", key)] = "autograd"
+            warn_once(
+                base,
+                "vjp",
+                f"t2j_ad: reverse mode of {base.name!r} falls back to "
+                f"torch.autograd.grad because torch.func.vjp refused it "
+                f"({_first_line(err)}). Results are exact; define "
+                f"setup_context (and vmap/jvp) on the autograd.Function to "
+                f"use torch.func.",
+            )
+    return autograd_vjp(fn, primals, cotangents)
+
+
+# --------------------------------------------------------------------- forward
+
+
+def double_vjp_jvp(
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+    primals: Sequence[torch.Tensor],
+    tangents: Sequence[torch.Tensor],
+    *,
+    base: Any,
+    key: Any,
+) -> tuple[torch.Tensor, ...]:
+    """``J t`` from reverse mode alone (see NOTE [fallbacks])."""
+    with torch.no_grad():
+        outs = fn(*primals)
+    seeds = tuple(torch.zeros_like(o) for o in outs)
+
+    def pullback(*u: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return reverse_mode(fn, primals, u, base=base, key=key)
+
+    return reverse_mode(pullback, seeds, tangents, base=base, key=("outer",) + tuple(key))
+
+
+def forward_mode(
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+    primals: Sequence[torch.Tensor],
+    tangents: Sequence[torch.Tensor],
+    *,
+    base: Any,
+    key: Any,
+) -> tuple[torch.Tensor, ...]:
+    """Output tangents: ``torch.func.jvp``, else the double-vjp trick."""
+    decided = base.__dict__.setdefault("fallbacks", {})
+    if decided.get(("jvp", key)) != "double_vjp":
+        try:
+            _, out_tangents = torch.func.jvp(fn, tuple(primals), tuple(tangents))
+            return tuple(out_tangents)
+        except (RuntimeError, NotImplementedError) as err:
+            if not _refused(err, _FORWARD_REFUSALS):
+                raise
+            decided[("jvp", key)] = "double_vjp"
+            warn_once(
+                base,
+                "jvp",
+                f"t2j_ad: forward mode of {base.name!r} falls back to the "
+                f"double-vjp trick because torch.func.jvp refused it "
+                f"({_first_line(err)}). Results are exact; it costs two "
+                f"reverse passes. Define a jvp staticmethod to avoid it.",
+            )
+    return double_vjp_jvp(fn, primals, tangents, base=base, key=key)
+
+
+# --------------------------------------------------------------------- batching
+
+
+def vmap_auto(
+    vectorized: Callable[..., tuple[torch.Tensor, ...]],
+    sequential: Callable[..., tuple[torch.Tensor, ...]],
+    args: Sequence[torch.Tensor],
+    *,
+    base: Any,
+    key: Any,
+) -> tuple[torch.Tensor, ...]:
+    """``torch.vmap``, falling back to the sequential loop when it refuses."""
+    decided = base.__dict__.setdefault("fallbacks", {})
+    if decided.get(("vmap", key)) == "sequential":
+        return sequential(*args)
+    try:
+        return vectorized(*args)
+    except Exception as vmap_err:  # noqa: BLE001 - any refusal; see below
+        # torch.vmap refuses in many ways (.item(), control flow, ops without
+        # batching rules, Functions without vmap rules). If the loop works the
+        # refusal was about vmap; if it fails too, the loop's error is the
+        # user's real error and propagates.
+        result = sequential(*args)
+        decided[("vmap", key)] = "sequential"
+        warn_once(
+            base,
+            "vmap",
+            f"t2j_ad: torch.vmap refused {base.name!r} ({_first_line(vmap_err)}); "
+            f"batching it with a sequential loop instead. Pass "
+            f"vmap_method='sequential' to silence this, or make the function "
+            f"vmap-compatible for speed.",
+        )
+        return result

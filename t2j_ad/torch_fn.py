@@ -1,0 +1,201 @@
+"""TorchFn: a flat PyTorch callable plus a hashable tuple of transforms.
+
+NOTE [every derivative is a PyTorch function]
+A jaxify'd function reaches JAX as one primitive, ``torch_call``, whose only
+parameter is a ``TorchFn``. The JVP, transpose and batching rules never run
+PyTorch themselves: they bind ``torch_call`` again with one more transform
+appended (``Jvp``, ``Vjp`` or ``Vmap``). At run time ``build`` turns the tuple
+into one PyTorch callable by applying ``torch.func.jvp``, ``torch.func.vjp``
+and ``torch.vmap`` in order. Because the derived function is again a
+``TorchFn``, the rules apply to it again, so derivatives and batches compose
+to any depth without a ``depth`` parameter.
+
+Everything here is hashable and equal by value, so retracing the same program
+produces equal primitive parameters and hits jit's caches (STYLE.md item 5).
+The user's callable itself is wrapped in ``BaseFn``, equal by identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Aval:
+    """Shape and dtype of one flat input or output."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def is_inexact(self) -> bool:
+        return np.issubdtype(self.dtype, np.inexact) or self.dtype.name == "bfloat16"
+
+    @property
+    def is_complex(self) -> bool:
+        return np.issubdtype(self.dtype, np.complexfloating)
+
+    def batched(self, axis_size: int, dim: int | None) -> Aval:
+        if dim is None:
+            return self
+        shape = list(self.shape)
+        shape.insert(dim, axis_size)
+        return Aval(tuple(shape), self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Jvp:
+    """Forward mode. Inputs: primals, then one tangent per ``wrt`` input.
+    Outputs: the tangents of the ``out`` outputs."""
+
+    wrt: tuple[int, ...]
+    out: tuple[int, ...]
+
+    def avals(self, ins: tuple[Aval, ...], outs: tuple[Aval, ...]):
+        return ins + tuple(ins[i] for i in self.wrt), tuple(outs[j] for j in self.out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Vjp:
+    """Reverse mode. Inputs: primals, then one cotangent per ``out`` output.
+    Outputs: the cotangents of the ``wrt`` inputs."""
+
+    wrt: tuple[int, ...]
+    out: tuple[int, ...]
+
+    def avals(self, ins: tuple[Aval, ...], outs: tuple[Aval, ...]):
+        return ins + tuple(outs[j] for j in self.out), tuple(ins[i] for i in self.wrt)
+
+
+@dataclasses.dataclass(frozen=True)
+class Vmap:
+    """Batching. ``in_dims[i]`` is input i's batch dimension (None: unbatched).
+    Every output gets its batch dimension at 0. ``method`` is one of
+    ``VMAP_METHODS``."""
+
+    in_dims: tuple[int | None, ...]
+    axis_size: int
+    method: str
+
+    def avals(self, ins: tuple[Aval, ...], outs: tuple[Aval, ...]):
+        # ins are the *unbatched* avals of the function being vmapped.
+        batched_ins = tuple(a.batched(self.axis_size, d) for a, d in zip(ins, self.in_dims))
+        return batched_ins, tuple(a.batched(self.axis_size, 0) for a in outs)
+
+
+Transform = Union[Jvp, Vjp, Vmap]
+VMAP_METHODS = ("sequential", "expand_dims", "broadcast_all", "auto")
+
+
+class BaseFn:
+    """The user's PyTorch function, flattened: tensors in, tuple of tensors out.
+
+    Equal by identity: one per jaxify'd function and input signature.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., tuple[Any, ...]],
+        *,
+        name: str,
+        vmap_method: str,
+        in_avals: tuple[Aval, ...],
+        out_avals: tuple[Aval, ...],
+        out_names: tuple[str, ...],
+        torch_out_dtypes: tuple[Any, ...],
+        mutation_checked: bool,
+    ):
+        self.fn = fn
+        self.name = name
+        self.vmap_method = vmap_method
+        self.in_avals = in_avals
+        self.out_avals = out_avals
+        # Human-readable key path of each flat output, for error messages.
+        self.out_names = out_names
+        # The dtype PyTorch returns for each output (may be 64-bit where JAX
+        # runs in 32-bit mode; see NOTE [64-bit outputs] in api.py).
+        self.torch_out_dtypes = torch_out_dtypes
+        # False until one run has shown the function leaves its inputs alone;
+        # until then the runtime hands it copies (see runtime.py).
+        self.mutation_checked = mutation_checked
+        self.built: dict[tuple[Transform, ...], Callable[..., tuple[Any, ...]]] = {}
+        self.lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"BaseFn({self.name})"
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchFn:
+    """``base`` with ``transforms`` applied in order; avals of the result."""
+
+    base: BaseFn
+    transforms: tuple[Transform, ...]
+    in_avals: tuple[Aval, ...]
+    out_avals: tuple[Aval, ...]
+
+    @classmethod
+    def of(cls, base: BaseFn) -> TorchFn:
+        return cls(base, (), base.in_avals, base.out_avals)
+
+    def append(self, transform: Transform) -> TorchFn:
+        ins, outs = transform.avals(self.in_avals, self.out_avals)
+        return TorchFn(self.base, self.transforms + (transform,), ins, outs)
+
+    def parent(self) -> TorchFn:
+        """This function without its last transform."""
+        fun = TorchFn.of(self.base)
+        for t in self.transforms[:-1]:
+            fun = fun.append(t)
+        return fun
+
+    @property
+    def name(self) -> str:
+        if not self.transforms:
+            return self.base.name
+        inner = self.base.name
+        for t in self.transforms:
+            inner = f"{type(t).__name__.lower()}({inner})"
+        return inner
+
+
+def stage_avals(fun: TorchFn) -> list[tuple[tuple[Aval, ...], tuple[Aval, ...]]]:
+    """The (in, out) avals before each transform of ``fun``."""
+    stages = []
+    ins, outs = fun.base.in_avals, fun.base.out_avals
+    for t in fun.transforms:
+        stages.append((ins, outs))
+        ins, outs = t.avals(ins, outs)
+    return stages
+
+
+def build(fun: TorchFn) -> Callable[..., tuple[Any, ...]]:
+    """The PyTorch callable computing ``fun``, built once per transform tuple."""
+    base = fun.base
+    built = base.built.get(fun.transforms)
+    if built is not None:
+        return built
+    # Imported here: transforms.py imports torch, and this module must stay
+    # importable for hashing and abstract evaluation alone.
+    from .transforms import apply_transform
+
+    g = base.fn
+    prefix: tuple[Transform, ...] = ()
+    for t, (ins, outs) in zip(fun.transforms, stage_avals(fun)):
+        prefix = prefix + (t,)
+        cached = base.built.get(prefix)
+        if cached is None:
+            cached = apply_transform(t, g, ins, outs, base=base, prefix=prefix)
+            with base.lock:
+                base.built[prefix] = cached
+        g = cached
+    return g
+
+
+def in_avals_match(avals: Sequence[Aval], shapes: Sequence[tuple[int, ...]]) -> bool:
+    return len(avals) == len(shapes) and all(a.shape == tuple(s) for a, s in zip(avals, shapes))

@@ -1,0 +1,118 @@
+"""Apply one transform (Jvp, Vjp, Vmap) to a flat PyTorch callable.
+
+Called only by ``torch_fn.build``; see NOTE [every derivative is a PyTorch
+function] in torch_fn.py. Every callable here takes tensors and returns a
+tuple of tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .convert import torch_dtype
+from .rules.fallbacks import forward_mode, reverse_mode, vmap_auto
+from .torch_fn import Aval, Jvp, Transform, Vjp, Vmap
+
+Flat = Callable[..., tuple[torch.Tensor, ...]]
+
+
+def _restrict(g: Flat, primals: Sequence[torch.Tensor], wrt: Sequence[int], out: Sequence[int]) -> Flat:
+    """``g`` as a function of the ``wrt`` inputs alone, returning ``out``.
+
+    Inputs outside ``wrt`` are closed over, so PyTorch never differentiates
+    with respect to them (symbolic zeros stay symbolic).
+    """
+
+    def restricted(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        full = list(primals)
+        for i, v in zip(wrt, values):
+            full[i] = v
+        outs = g(*full)
+        return tuple(outs[j] for j in out)
+
+    return restricted
+
+
+def _conj_where(tensors: Sequence[torch.Tensor], avals: Sequence[Aval]) -> tuple[torch.Tensor, ...]:
+    return tuple(t.conj() if a.is_complex else t for t, a in zip(tensors, avals))
+
+
+def _make_jvp(t: Jvp, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], base: Any, prefix: Any) -> Flat:
+    n = len(ins)
+
+    def jvp_fn(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        primals, tangents = args[:n], args[n:]
+        restricted = _restrict(g, primals, t.wrt, t.out)
+        wrt_primals = tuple(primals[i] for i in t.wrt)
+        return forward_mode(restricted, wrt_primals, tangents, base=base, key=prefix)
+
+    return jvp_fn
+
+
+def _make_vjp(t: Vjp, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], base: Any, prefix: Any) -> Flat:
+    n = len(ins)
+    out_avals = [outs[j] for j in t.out]
+    wrt_avals = [ins[i] for i in t.wrt]
+
+    def vjp_fn(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        primals, cotangents = args[:n], args[n:]
+        restricted = _restrict(g, primals, t.wrt, t.out)
+        wrt_primals = tuple(primals[i] for i in t.wrt)
+        # JAX transposes complex-linear maps (J^T c); PyTorch's vjp computes
+        # the conjugate (J^H c). Conjugating on both sides converts.
+        cotangents = _conj_where(cotangents, out_avals)
+
+        def matched(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            # With x64 off, a float64 PyTorch output meets a float32 cotangent;
+            # differentiating the cast makes the dtypes agree exactly.
+            return tuple(o.to(c.dtype) for o, c in zip(restricted(*values), cotangents))
+
+        grads = reverse_mode(matched, wrt_primals, cotangents, base=base, key=prefix)
+        return _conj_where(grads, wrt_avals)
+
+    return vjp_fn
+
+
+def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], base: Any, prefix: Any) -> Flat:
+    in_dims, size = t.in_dims, t.axis_size
+
+    def sequential(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if size == 0:
+            return tuple(torch.empty((0,) + o.shape, dtype=torch_dtype(o.dtype)) for o in outs)
+        rows = [g(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)]) for i in range(size)]
+        return tuple(torch.stack([r[j] for r in rows]) for j in range(len(outs)))
+
+    def expand_dims(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Unbatched arguments go in once with in_dims=None: never copied.
+        return tuple(torch.vmap(g, in_dims=in_dims, out_dims=0)(*args))
+
+    def broadcast_all(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # expand() is a view, so "broadcast" costs no copy here either; the
+        # function still sees every argument batched.
+        full = [a.expand((size,) + tuple(a.shape)) if d is None else a for a, d in zip(args, in_dims)]
+        dims = tuple(0 if d is None else d for d in in_dims)
+        return tuple(torch.vmap(g, in_dims=dims, out_dims=0)(*full))
+
+    if t.method == "sequential":
+        return sequential
+    if t.method == "expand_dims":
+        return expand_dims
+    if t.method == "broadcast_all":
+        return broadcast_all
+
+    def auto(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return vmap_auto(expand_dims, sequential, args, base=base, key=prefix)
+
+    return auto
+
+
+_MAKERS = {Jvp: _make_jvp, Vjp: _make_vjp, Vmap: _make_vmap}
+
+
+def apply_transform(
+    t: Transform, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], *, base: Any, prefix: Any
+) -> Flat:
+    return _MAKERS[type(t)](t, g, ins, outs, base, prefix)
