@@ -1,0 +1,247 @@
+"""jaxify: pytrees, decorators, jit, dtypes, the signature cache, conversion."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import assert_tree_allclose
+
+import t2j_ad
+
+
+def torch_ref(fn, *args, **kwargs):
+    """Run ``fn`` on torch copies of the JAX inputs and return JAX arrays."""
+    targs = jax.tree_util.tree_map(lambda x: torch.from_numpy(np.array(x)), (args, kwargs))
+    with torch.no_grad():
+        out = fn(*targs[0], **targs[1])
+    return jax.tree_util.tree_map(lambda t: jnp.asarray(t.numpy()), out, is_leaf=lambda x: isinstance(x, torch.Tensor))
+
+
+def nested_fn(tree, scale, *, shift):
+    a = tree["a"]
+    b, (c,) = tree["bc"]
+    return {
+        "sum": a.sin() * scale + shift,
+        "pair": (b @ c, (a**2).sum()),
+        "list": [c.t(), b.abs()],
+    }
+
+
+def make_inputs():
+    rng = np.random.default_rng(0)
+    tree = {
+        "a": jnp.asarray(rng.normal(size=(3,)), jnp.float32),
+        "bc": (np.asarray(rng.normal(size=(2, 4)), np.float32), [jnp.asarray(rng.normal(size=(4, 5)), jnp.float32)]),
+    }
+    return tree
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_pytree_inputs_and_outputs_match_torch(use_jit):
+    f = t2j_ad.jaxify(nested_fn)
+    tree = make_inputs()
+    call = jax.jit(f) if use_jit else f
+    out = call(tree, 2.0, shift=jnp.float32(0.5))
+    expected = torch_ref(nested_fn, tree, np.float32(2.0), shift=np.float32(0.5))
+    assert_tree_allclose(out, expected)
+
+
+def test_decorator_forms():
+    @t2j_ad.jaxify
+    def plain(x):
+        return x * 2
+
+    @t2j_ad.jaxify(vmap_method="sequential")
+    def with_options(x):
+        return x + 1
+
+    x = jnp.arange(4.0)
+    assert_tree_allclose(plain(x), x * 2)
+    assert_tree_allclose(with_options(x), x + 1)
+    assert isinstance(plain, t2j_ad.JaxifiedFunction)
+    assert with_options.vmap_method == "sequential"
+    assert plain.__name__ == "plain"
+
+
+def test_single_tensor_and_tuple_outputs():
+    single = t2j_ad.jaxify(lambda x: x.cos())
+    pair = t2j_ad.jaxify(lambda x: (x.cos(), x.sin()))
+    x = jnp.linspace(0.0, 1.0, 5)
+    assert_tree_allclose(single(x), jnp.cos(x))
+    assert_tree_allclose(jax.jit(pair)(x), (jnp.cos(x), jnp.sin(x)))
+
+
+def test_python_and_numpy_scalars_are_accepted():
+    f = t2j_ad.jaxify(lambda x, s, n: x * s + n)
+    out = f(np.ones(3, np.float32), 2.5, np.float32(1.0))
+    assert_tree_allclose(out, jnp.full(3, 3.5, jnp.float32))
+
+
+ALL_DTYPES = [
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "bool",
+    "complex64",
+    "complex128",
+]
+
+
+def _sample(dtype: str) -> jax.Array:
+    if dtype == "bool":
+        return jnp.array([True, False, True])
+    if dtype.startswith("complex"):
+        return jnp.array([1 + 2j, -3j, 0.5], dtype)
+    return jnp.array([1, 2, 3], dtype)
+
+
+def _torch_op(x: torch.Tensor) -> torch.Tensor:
+    return ~x if x.dtype == torch.bool else x + x
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_every_dtype_round_trips(dtype, use_jit, x64):
+    f = t2j_ad.jaxify(_torch_op)
+    x = _sample(dtype)
+    out = (jax.jit(f) if use_jit else f)(x)
+    expected = ~x if dtype == "bool" else x + x
+    assert out.dtype == x.dtype
+    assert_tree_allclose(out, expected)
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (1,)])
+def test_zero_dim_and_empty_arrays(shape):
+    f = t2j_ad.jaxify(lambda x: x * 3)
+    x = jnp.ones(shape, jnp.float32)
+    assert_tree_allclose(jax.jit(f)(x), x * 3)
+
+
+def test_64bit_outputs_without_x64_follow_jax_with_a_warning():
+    assert not jax.config.jax_enable_x64
+    f = t2j_ad.jaxify(lambda x: (x.double() * 3, x.argmax()))
+    x = jnp.array([0.5, 2.0, 1.0], jnp.float32)
+    with pytest.warns(UserWarning, match="jax_enable_x64 is off"):
+        y, idx = f(x)
+    assert y.dtype == jnp.float32 and idx.dtype == jnp.int32
+    assert_tree_allclose((y, idx), (x * 3, jnp.int32(1)))
+    # The warning comes once per signature, not on every call.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.jit(f)(x)
+
+
+class CallCounter:
+    """A PyTorch function that counts how it was called."""
+
+    def __init__(self):
+        self.meta_calls = 0
+        self.real_calls = 0
+
+    def __call__(self, x):
+        if x.device.type == "meta":
+            self.meta_calls += 1
+        else:
+            self.real_calls += 1
+        return torch.tanh(x) * 2
+
+
+def test_signature_cache_avoids_reinference_and_recompilation():
+    counter = CallCounter()
+    f = t2j_ad.jaxify(counter)
+    jitted = jax.jit(f)
+    x = jnp.ones((4,), jnp.float32)
+    assert_tree_allclose(jitted(x), jnp.tanh(x) * 2)
+    assert counter.meta_calls == 1
+    assert jitted._cache_size() == 1
+    jitted(x + 1)
+    f(x)
+    assert counter.meta_calls == 1  # same signature: no new inference
+    assert jitted._cache_size() == 1  # and no recompilation
+    # A new shape, and a new dtype, are inferred afresh rather than refused.
+    y = jnp.ones((2, 3), jnp.float32)
+    assert_tree_allclose(jitted(y), jnp.tanh(y) * 2)
+    assert counter.meta_calls == 2
+    z = jnp.ones((4,), jnp.float16)
+    assert_tree_allclose(f(z), jnp.tanh(z) * 2)
+    assert counter.meta_calls == 3
+
+
+def test_output_shapes_skips_inference():
+    counter = CallCounter()
+    x = jnp.ones((3,), jnp.float32)
+    f = t2j_ad.jaxify(counter, output_shapes=jax.ShapeDtypeStruct((3,), jnp.float32))
+    assert_tree_allclose(jax.jit(f)(x), jnp.tanh(x) * 2)
+    assert counter.meta_calls == 0
+    assert counter.real_calls == 1
+
+
+def test_ops_without_meta_kernels_infer_with_one_real_call():
+    calls = []
+
+    def uses_numpy(x):
+        calls.append(x.device.type)
+        return torch.from_numpy(np.cumsum(x.numpy()))  # needs real data
+
+    f = t2j_ad.jaxify(uses_numpy)
+    x = jnp.arange(5.0)
+    assert_tree_allclose(jax.jit(f)(x), jnp.cumsum(x))
+    # one failed meta attempt, one inference call on zeros, one real call
+    assert calls == ["meta", "cpu", "cpu"]
+
+
+def test_forward_runs_under_no_grad_with_controlled_threads():
+    seen = {}
+
+    def probe(x):
+        if x.device.type != "meta":
+            seen["grad"] = torch.is_grad_enabled()
+            seen["threads"] = torch.get_num_threads()
+        return x + 1
+
+    t2j_ad.set_torch_threads(1)
+    jax.jit(t2j_ad.jaxify(probe))(jnp.ones(2))
+    assert seen == {"grad": False, "threads": 1}
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        t2j_ad.set_torch_threads(0)
+
+
+def test_tree_t2j_and_j2t_share_memory_on_cpu():
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    j = t2j_ad.tree_t2j({"w": t, "other": 3})
+    assert j["other"] == 3
+    assert j["w"].unsafe_buffer_pointer() == t.data_ptr()
+    np.testing.assert_array_equal(np.asarray(j["w"]), t.numpy())
+    back = t2j_ad.tree_j2t([j["w"]])
+    assert back[0].data_ptr() == t.data_ptr()
+    assert torch.equal(back[0], t)
+
+
+def test_tree_conversion_of_all_dtypes(x64):
+    for dtype in ALL_DTYPES:
+        x = _sample(dtype)
+        t = t2j_ad.tree_j2t(x)
+        back = t2j_ad.tree_t2j(t)
+        assert back.dtype == x.dtype
+        assert_tree_allclose(back, x)
+
+
+def test_clear_caches_forgets_signatures():
+    counter = CallCounter()
+    f = t2j_ad.jaxify(counter)
+    x = jnp.ones(3)
+    f(x)
+    t2j_ad.clear_caches()
+    assert_tree_allclose(f(x), jnp.tanh(x) * 2)
+    assert counter.meta_calls == 2

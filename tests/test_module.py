@@ -1,0 +1,113 @@
+"""jaxify_module: nn.Module parameters as a JAX dict, buffers as constants."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from conftest import assert_tree_allclose
+
+import t2j_ad
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 4, kernel_size=3, padding=1)
+        self.norm = nn.BatchNorm1d(4)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(4 * 5, 3))
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.conv(x))))
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x, *, scale=1.0, bias=None):
+        y = self.lin(x) * scale
+        return y if bias is None else y + bias
+
+
+def _seeded(module: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    for p in module.parameters():
+        nn.init.normal_(p, std=0.5)
+    return module
+
+
+def _batchnorm_with_stats() -> Block:
+    block = _seeded(Block())
+    # Non-trivial running statistics, then eval mode: buffers are constants.
+    block.norm.running_mean.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    block.norm.running_var.copy_(torch.tensor([1.5, 0.5, 2.0, 1.0]))
+    return block.eval()
+
+
+def _reference(module, *args, **kwargs):
+    with torch.no_grad():
+        out = module(*[torch.from_numpy(np.array(a)) for a in args], **kwargs)
+    return jnp.asarray(out.numpy())
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_sequential(use_jit):
+    model = _seeded(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
+    apply, params = t2j_ad.jaxify_module(model)
+    assert set(params) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert_tree_allclose(params["0.weight"], jnp.asarray(model[0].weight.detach().numpy()))
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(5, 4)), jnp.float32)
+    out = (jax.jit(apply) if use_jit else apply)(params, x)
+    assert_tree_allclose(out, _reference(model, x))
+
+
+def test_submodules_and_batchnorm_buffers_in_eval_mode():
+    block = _batchnorm_with_stats()
+    apply, params = t2j_ad.jaxify_module(block)
+    assert "norm.running_mean" not in params  # buffers ride along as constants
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 2, 5)), jnp.float32)
+    assert_tree_allclose(jax.jit(apply)(params, x), _reference(block, x), rtol=1e-5, atol=1e-5)
+    # Running statistics are used, not updated.
+    assert torch.allclose(block.norm.running_mean, torch.tensor([0.1, -0.2, 0.3, 0.0]))
+
+
+def test_forward_with_keyword_arguments():
+    model = _seeded(Scaled())
+    apply, params = t2j_ad.jaxify_module(model)
+    x = jnp.ones((4, 3), jnp.float32)
+    bias = jnp.array([1.0, -1.0], jnp.float32)
+    out = jax.jit(apply)(params, x, scale=2.0, bias=bias)
+    expected = _reference(model, x, scale=2.0, bias=torch.tensor([1.0, -1.0]))
+    assert_tree_allclose(out, expected)
+
+
+def test_gradient_with_respect_to_params_matches_torch_func():
+    block = _batchnorm_with_stats()
+    apply, params = t2j_ad.jaxify_module(block)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(3, 2, 5)), jnp.float32)
+
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(apply(p, x) ** 2)))(params)
+
+    torch_params = {k: p.detach() for k, p in block.named_parameters()}
+    buffers = dict(block.named_buffers())
+
+    def torch_loss(p):
+        return (torch.func.functional_call(block, (p, buffers), (torch.from_numpy(np.array(x)),)) ** 2).sum()
+
+    expected = torch.func.grad(torch_loss)(torch_params)
+    expected = {k: jnp.asarray(v.numpy()) for k, v in expected.items()}
+    assert_tree_allclose(grads, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_params_are_copies_not_views_of_the_module():
+    model = nn.Linear(2, 2)
+    _, params = t2j_ad.jaxify_module(model)
+    before = np.asarray(params["weight"]).copy()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    np.testing.assert_array_equal(np.asarray(params["weight"]), before)
