@@ -1,0 +1,351 @@
+// XLA FFI handlers for t2j_ad's `torch_call` custom call.
+//
+// Every input and output buffer is wrapped as a DLPack tensor that points at
+// XLA's memory (no copy), and one Python dispatcher registered with
+// `set_dispatcher` is called as
+//
+//     dispatcher(key: int, inputs: list[capsule], outputs: list[capsule],
+//                stream: int)
+//
+// The key is an opaque integer attribute of the custom call. It is only ever
+// handed to Python, which looks it up in its registry; nothing here turns it
+// into a pointer, so a stale or forged key is a Python KeyError, never a crash.
+// A Python exception comes back as an ffi::Error carrying the formatted
+// traceback; nothing is thrown across the FFI boundary.
+
+#include <Python.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "pybind11/pybind11.h"
+#include "xla/ffi/api/ffi.h"
+
+#ifdef T2J_AD_WITH_CUDA
+#include <cuda_runtime_api.h>  // cudaStream_t only; nothing is linked.
+#endif
+
+namespace ffi = xla::ffi;
+namespace py = pybind11;
+
+// DLPack's (frozen, pre-1.0 "dltensor") ABI, declared here so the build needs
+// neither torch nor a dlpack checkout.
+extern "C" {
+struct DLDevice {
+  int32_t device_type;  // kDLCPU = 1, kDLCUDA = 2
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4,
+                 // kDLComplex 5, kDLBool 6
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;  // NULL: compact row-major, which is XLA's default layout
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+}
+
+namespace {
+
+constexpr int32_t kDLCPU = 1;
+constexpr int32_t kDLCUDA = 2;
+constexpr const char* kCapsuleName = "dltensor";
+
+// Counts DLManagedTensors not yet freed, so tests can check nothing leaks.
+std::atomic<int64_t> g_live_tensors{0};
+
+// The Python dispatcher (a strong reference, guarded by the GIL).
+PyObject* g_dispatcher = nullptr;
+
+bool ToDLDataType(ffi::DataType t, DLDataType* out) {
+  switch (t) {
+    case ffi::DataType::PRED: *out = {6, 8, 1}; return true;
+    case ffi::DataType::S8:   *out = {0, 8, 1}; return true;
+    case ffi::DataType::S16:  *out = {0, 16, 1}; return true;
+    case ffi::DataType::S32:  *out = {0, 32, 1}; return true;
+    case ffi::DataType::S64:  *out = {0, 64, 1}; return true;
+    case ffi::DataType::U8:   *out = {1, 8, 1}; return true;
+    case ffi::DataType::U16:  *out = {1, 16, 1}; return true;
+    case ffi::DataType::U32:  *out = {1, 32, 1}; return true;
+    case ffi::DataType::U64:  *out = {1, 64, 1}; return true;
+    case ffi::DataType::F16:  *out = {2, 16, 1}; return true;
+    case ffi::DataType::F32:  *out = {2, 32, 1}; return true;
+    case ffi::DataType::F64:  *out = {2, 64, 1}; return true;
+    case ffi::DataType::BF16: *out = {4, 16, 1}; return true;
+    case ffi::DataType::C64:  *out = {5, 64, 1}; return true;
+    case ffi::DataType::C128: *out = {5, 128, 1}; return true;
+    default: return false;
+  }
+}
+
+void FreeTensor(DLManagedTensor* t) {
+  std::free(t);
+  g_live_tensors.fetch_sub(1, std::memory_order_relaxed);
+}
+
+// A capsule nobody consumed still owns its tensor; a consumer renames it
+// "used_dltensor" and calls the deleter itself when its tensor dies.
+void CapsuleDestructor(PyObject* capsule) {
+  if (PyCapsule_IsValid(capsule, kCapsuleName)) {
+    auto* t = static_cast<DLManagedTensor*>(
+        PyCapsule_GetPointer(capsule, kCapsuleName));
+    t->deleter(t);
+  }
+}
+
+// Wraps one XLA buffer as a "dltensor" capsule. The shape is copied into the
+// same allocation because the consumer may outlive this call's frame; the
+// data is not copied (it stays XLA's, valid for the duration of the call).
+ffi::ErrorOr<PyObject*> MakeCapsule(const ffi::AnyBuffer& buf, DLDevice device,
+                                    const char* role, size_t index) {
+  DLDataType dtype;
+  if (!ToDLDataType(buf.element_type(), &dtype)) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        std::string("t2j_ad: ") + role + " " + std::to_string(index) +
+        " has XLA element type " +
+        std::to_string(static_cast<int>(buf.element_type())) +
+        ", which has no DLPack/PyTorch equivalent; cast it to a supported "
+        "dtype (bool, (u)int8-64, float16/32/64, bfloat16, complex64/128) "
+        "before calling the PyTorch function"));
+  }
+  auto dims = buf.dimensions();
+  size_t rank = dims.size();
+  auto* t = static_cast<DLManagedTensor*>(
+      std::malloc(sizeof(DLManagedTensor) + rank * sizeof(int64_t)));
+  if (t == nullptr) {
+    return ffi::Unexpected(ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                                      "t2j_ad: out of host memory"));
+  }
+  g_live_tensors.fetch_add(1, std::memory_order_relaxed);
+  int64_t* shape = reinterpret_cast<int64_t*>(t + 1);
+  for (size_t i = 0; i < rank; ++i) shape[i] = dims[i];
+  t->dl_tensor = DLTensor{buf.untyped_data(), device, static_cast<int32_t>(rank),
+                          dtype, shape, nullptr, 0};
+  t->manager_ctx = nullptr;
+  t->deleter = FreeTensor;
+  PyObject* capsule = PyCapsule_New(t, kCapsuleName, CapsuleDestructor);
+  if (capsule == nullptr) {
+    FreeTensor(t);
+    PyErr_Clear();
+    return ffi::Unexpected(
+        ffi::Error::Internal("t2j_ad: could not create a DLPack capsule"));
+  }
+  return capsule;
+}
+
+// Turns the pending Python exception into an ffi::Error holding the full
+// `traceback.format_exception` text (type, message and traceback), and clears
+// it. Uses only the C API, which cannot throw.
+ffi::Error TakePythonError(int64_t key) {
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyErr_NormalizeException(&type, &value, &tb);
+  if (tb != nullptr && value != nullptr) PyException_SetTraceback(value, tb);
+  std::string text;
+  PyObject* mod = PyImport_ImportModule("traceback");
+  PyObject* lines =
+      mod ? PyObject_CallMethod(mod, "format_exception", "OOO",
+                                type ? type : Py_None, value ? value : Py_None,
+                                tb ? tb : Py_None)
+          : nullptr;
+  PyObject* empty = lines ? PyUnicode_FromString("") : nullptr;
+  PyObject* joined = empty ? PyUnicode_Join(empty, lines) : nullptr;
+  const char* utf8 = joined ? PyUnicode_AsUTF8(joined) : nullptr;
+  if (utf8 != nullptr) {
+    text = utf8;
+  } else {
+    PyErr_Clear();
+    PyObject* s = value ? PyObject_Str(value) : nullptr;
+    const char* msg = s ? PyUnicode_AsUTF8(s) : nullptr;
+    text = msg ? msg : "<unprintable Python exception>";
+    Py_XDECREF(s);
+  }
+  PyErr_Clear();
+  Py_XDECREF(joined);
+  Py_XDECREF(empty);
+  Py_XDECREF(lines);
+  Py_XDECREF(mod);
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(tb);
+  return ffi::Error(ffi::ErrorCode::kUnknown,
+                    "t2j_ad: PyTorch call (key " + std::to_string(key) +
+                        ") raised an exception:\n" + text);
+}
+
+ffi::ErrorOr<ffi::AnyBuffer> GetBuffer(const ffi::RemainingArgs& args,
+                                       size_t i) {
+  return args.get<ffi::AnyBuffer>(i);
+}
+ffi::ErrorOr<ffi::AnyBuffer> GetBuffer(const ffi::RemainingRets& rets,
+                                       size_t i) {
+  auto ret = rets.get<ffi::AnyBuffer>(i);
+  if (!ret.has_value()) return ffi::Unexpected(ret.error());
+  return **ret;
+}
+
+// A new list of capsules, one per buffer.
+template <typename Buffers>
+ffi::ErrorOr<PyObject*> MakeCapsuleList(const Buffers& buffers, DLDevice device,
+                                        const char* role) {
+  size_t n = buffers.size();
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(n));
+  if (list == nullptr) {
+    PyErr_Clear();
+    return ffi::Unexpected(ffi::Error::Internal("t2j_ad: PyList_New failed"));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    auto buf = GetBuffer(buffers, i);
+    auto capsule = buf.has_value() ? MakeCapsule(*buf, device, role, i)
+                                   : ffi::ErrorOr<PyObject*>(
+                                         ffi::Unexpected(buf.error()));
+    if (!capsule.has_value()) {
+      Py_DECREF(list);
+      return ffi::Unexpected(capsule.error());
+    }
+    PyList_SET_ITEM(list, i, *capsule);  // steals the reference
+  }
+  return list;
+}
+
+ffi::Error DispatchWithGil(int64_t key, const ffi::RemainingArgs& args,
+                           const ffi::RemainingRets& rets, DLDevice device,
+                           uintptr_t stream) {
+  if (g_dispatcher == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "t2j_ad: no Python dispatcher is registered; import "
+                      "t2j_ad.backends.ffi before running the computation");
+  }
+  auto inputs = MakeCapsuleList(args, device, "input");
+  if (!inputs.has_value()) return inputs.error();
+  auto outputs = MakeCapsuleList(rets, device, "output");
+  if (!outputs.has_value()) {
+    Py_DECREF(*inputs);
+    return outputs.error();
+  }
+  PyObject* py_key = PyLong_FromLongLong(key);
+  PyObject* py_stream = PyLong_FromUnsignedLongLong(stream);
+  // A local reference: the dispatcher may replace itself while running.
+  PyObject* dispatcher = g_dispatcher;
+  Py_INCREF(dispatcher);
+  PyObject* argv[4] = {py_key, *inputs, *outputs, py_stream};
+  PyObject* result =
+      (py_key && py_stream) ? PyObject_Vectorcall(dispatcher, argv, 4, nullptr)
+                            : nullptr;
+  ffi::Error error =
+      result != nullptr ? ffi::Error::Success() : TakePythonError(key);
+  Py_XDECREF(result);
+  Py_DECREF(dispatcher);
+  Py_XDECREF(py_key);
+  Py_XDECREF(py_stream);
+  Py_DECREF(*inputs);
+  Py_DECREF(*outputs);
+  return error;
+}
+
+ffi::Error Dispatch(int64_t key, ffi::RemainingArgs args,
+                    ffi::RemainingRets rets, DLDevice device,
+                    uintptr_t stream) {
+  if (!Py_IsInitialized()) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "t2j_ad: the Python interpreter has shut down");
+  }
+  PyGILState_STATE gil = PyGILState_Ensure();
+  ffi::Error error = DispatchWithGil(key, args, rets, device, stream);
+  PyGILState_Release(gil);
+  return error;
+}
+
+ffi::Error TorchCallCpu(int64_t key, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets) {
+  return Dispatch(key, args, rets, DLDevice{kDLCPU, 0}, 0);
+}
+
+#ifdef T2J_AD_WITH_CUDA
+// PyTorch runs on XLA's stream (the dispatcher wraps it in
+// torch.cuda.ExternalStream), so no synchronisation is needed here.
+ffi::Error TorchCallCuda(cudaStream_t stream, int32_t device_ordinal,
+                         int64_t key, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets) {
+  return Dispatch(key, args, rets, DLDevice{kDLCUDA, device_ordinal},
+                  reinterpret_cast<uintptr_t>(stream));
+}
+#endif
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kTorchCallCpu, TorchCallCpu,
+                              ffi::Ffi::Bind()
+                                  .Attr<int64_t>("key")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+#ifdef T2J_AD_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kTorchCallCuda, TorchCallCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("key")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+#endif
+
+PYBIND11_MODULE(_ffi_ext, m) {
+  m.doc() = "XLA FFI handlers that run PyTorch on XLA buffers (t2j_ad).";
+
+  m.def(
+      "handlers",
+      [] {
+        py::dict out;
+        out["cpu"] = py::capsule(reinterpret_cast<void*>(kTorchCallCpu));
+#ifdef T2J_AD_WITH_CUDA
+        out["CUDA"] = py::capsule(reinterpret_cast<void*>(kTorchCallCuda));
+#endif
+        return out;
+      },
+      "Platform name -> FFI handler capsule, for jax.ffi.register_ffi_target.");
+
+  m.def(
+      "set_dispatcher",
+      [](py::object fn) {
+        if (!fn.is_none() && !PyCallable_Check(fn.ptr())) {
+          throw py::type_error("set_dispatcher expects a callable or None");
+        }
+        PyObject* old = g_dispatcher;
+        g_dispatcher = fn.is_none() ? nullptr : fn.inc_ref().ptr();
+        Py_XDECREF(old);
+      },
+      py::arg("dispatcher"),
+      "Set the callable run as dispatcher(key, inputs, outputs, stream).");
+
+  m.def(
+      "live_tensors", [] { return g_live_tensors.load(); },
+      "Number of DLPack tensors made by the handler and not yet freed.");
+
+#ifdef T2J_AD_WITH_CUDA
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
+
+  // Drop the dispatcher before the interpreter tears modules down.
+  py::module_::import("atexit").attr("register")(py::cpp_function([] {
+    PyObject* old = g_dispatcher;
+    g_dispatcher = nullptr;
+    Py_XDECREF(old);
+  }));
+}

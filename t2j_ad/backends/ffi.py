@@ -1,0 +1,127 @@
+"""The FFI backend: ``torch_call`` lowered to our own XLA custom call.
+
+The handler (csrc/torch_call.cc, built into ``t2j_ad._ffi_ext``) wraps XLA's
+input and output buffers as DLPack capsules without copying and calls
+``_dispatch`` below with the call's integer key. The key names a TorchFn in
+``registry`` (see NOTE [registry lifetime] there); ``runtime.run_into`` runs
+it and copies the results into the output buffers.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+
+from ..runtime import run_into
+from . import registry
+
+try:
+    from .. import _ffi_ext
+except ImportError:  # not built: backends.select() falls back to callback.
+    _ffi_ext = None
+
+TARGET = "t2j_ad_torch_call"
+
+# jax platform name (as in ctx.module_context.platforms) -> the name
+# register_ffi_target expects, for the handlers this build contains.
+_PLATFORM_NAMES = {"cpu": "cpu", "cuda": "CUDA"}
+
+# torch.from_dlpack on a capsule only forwards to this; calling it directly
+# skips a hasattr and a Python frame on every buffer of every call.
+_from_dlpack = getattr(torch._C, "_from_dlpack", torch.from_dlpack)
+
+_lock = threading.Lock()
+_registered: frozenset[str] | None = None  # jax platform names with a handler
+_warned_platforms: set[str] = set()
+
+
+def _dispatch(key: int, inputs: list[Any], outputs: list[Any], stream: int) -> None:
+    """Called by the C++ handler, with the GIL held, once per custom call."""
+    fun = registry.lookup(key)
+    run_into(
+        fun,
+        [_from_dlpack(c) for c in inputs],
+        [_from_dlpack(c) for c in outputs],
+        stream or None,
+    )
+
+
+def _register_targets() -> frozenset[str]:
+    """Register the handlers with XLA and install the dispatcher, once."""
+    global _registered
+    with _lock:
+        if _registered is None:
+            handlers = _ffi_ext.handlers()
+            for platform, capsule in handlers.items():
+                jax.ffi.register_ffi_target(TARGET, capsule, platform=platform)
+            _ffi_ext.set_dispatcher(_dispatch)
+            _registered = frozenset(p for p, name in _PLATFORM_NAMES.items() if name in handlers)
+        return _registered
+
+
+def available() -> bool:
+    """Whether the C++ extension is built (and its targets registered)."""
+    if _ffi_ext is None:
+        return False
+    try:
+        _register_targets()
+    except Exception as err:  # e.g. a jaxlib whose FFI rejects our handler
+        warnings.warn(f"t2j_ad: could not register the FFI handler: {err}", RuntimeWarning)
+        return False
+    return True
+
+
+def platforms() -> frozenset[str]:
+    """The JAX platforms this build has a handler for (``cpu``, maybe ``cuda``)."""
+    return _register_targets() if available() else frozenset()
+
+
+class _KeepAlive:
+    """Holds a TorchFn for as long as a compiled executable exists.
+
+    Passed to ``add_host_callback`` only for its lifetime (NOTE [registry
+    lifetime] in registry.py); XLA never calls it.
+    """
+
+    __slots__ = ("fun",)
+
+    def __init__(self, fun: Any):
+        self.fun = fun
+
+    def __call__(self, *args: Any) -> None:
+        raise RuntimeError("t2j_ad: internal keep-alive object was called")
+
+
+def _unsupported(ctx: Any) -> list[str]:
+    supported = platforms()
+    return [p for p in ctx.module_context.platforms if p not in supported]
+
+
+def lower(ctx: Any, *args: Any, fun: Any) -> Sequence[Any]:
+    """MLIR lowering of ``torch_call`` to the ``t2j_ad_torch_call`` custom call."""
+    missing = _unsupported(ctx)
+    if missing:
+        # E.g. a CUDA jaxlib with an extension built without the CUDA toolkit.
+        from . import callback
+
+        new = [p for p in missing if p not in _warned_platforms]
+        if new:
+            _warned_platforms.update(new)
+            warnings.warn(
+                f"t2j_ad: the C++ extension has no handler for platform(s) {new} "
+                f"(it was built for {sorted(platforms())}); using the callback "
+                f"backend there. Rebuild with the CUDA toolkit installed "
+                f"(pip install --no-build-isolation -e .) to use the FFI backend.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return callback.lower(ctx, *args, fun=fun)
+    key, canonical = registry.register(fun)
+    ctx.module_context.add_host_callback(_KeepAlive(canonical))
+    return jax.ffi.ffi_lowering(TARGET)(ctx, *args, key=np.int64(key))

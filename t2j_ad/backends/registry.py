@@ -1,0 +1,100 @@
+"""The table the C++ handler dispatches into: integer key -> TorchFn.
+
+NOTE [registry lifetime]
+A compiled XLA program names the PyTorch function it calls by an integer
+attribute, ``key``; the C++ handler passes the key to the Python dispatcher
+(backends/ffi.py), which looks it up here. Nothing ever turns the integer
+into a pointer, so a stale key is an error, not a crash.
+
+* Stable keys. Equal TorchFns (same ``BaseFn``, transforms and avals) get
+  the same key, so retracing produces the same HLO and hits jit's caches.
+* Weak entries. The table holds only weak references. What keeps an entry
+  alive is the compiled program itself: the lowering hands a strong
+  reference to the registered TorchFn to
+  ``ctx.module_context.add_host_callback``, the mechanism ``jax.pure_callback``
+  and ``buffer_callback`` use for their Python callables. JAX gives that list
+  to the runtime executable (``LoadedExecutable``), which owns it for exactly
+  its own lifetime -- including when only jit's C++ fast path still holds the
+  executable. (``add_keepalive`` would not do: it is tied to the Python
+  wrapper, which can die first.) So an entry lives while some executable can
+  call it or something else (a jaxpr, a jaxify'd function) holds the TorchFn,
+  and is dropped by a weakref callback as soon as neither does.
+* Keys are never reused, so even a dispatch after ``clear()`` can only fail
+  with a clear error, never run the wrong function.
+
+Host callbacks also keep such executables out of JAX's persistent compilation
+cache, which is what we want: keys are meaningful only in this process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Any
+
+_lock = threading.Lock()
+_keys = itertools.count(1)
+# TorchFn -> key. Looked up by value (an equal TorchFn finds the entry of the
+# first one registered, the "canonical" instance); held weakly.
+_key_of: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+# key -> weak reference to the canonical TorchFn. Plain dict: the dispatcher's
+# hot path is one dict lookup and one weakref call.
+_fun_of: dict[int, weakref.ref] = {}
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    # Runs from the garbage collector, possibly while ``register`` holds the
+    # lock, so it must not take it. Only removes the entry it created.
+    if _fun_of.get(key) is ref:
+        del _fun_of[key]
+
+
+def register(fun: Any) -> tuple[int, Any]:
+    """The key for ``fun`` and the canonical TorchFn registered under it.
+
+    Callers must keep the canonical instance alive for as long as the key may
+    be dispatched (the FFI lowering ties it to the executable).
+    """
+    with _lock:
+        key = _key_of.get(fun)
+        if key is not None:
+            ref = _fun_of.get(key)
+            canonical = ref() if ref is not None else None
+            if canonical is not None:
+                return key, canonical
+        key = next(_keys)
+        _key_of[fun] = key
+        _fun_of[key] = weakref.ref(fun, lambda ref, key=key: _forget(key, ref))
+        return key, fun
+
+
+def lookup(key: int) -> Any:
+    """The TorchFn registered under ``key``; ``LookupError`` when there is none."""
+    ref = _fun_of.get(key)
+    fun = ref() if ref is not None else None
+    if fun is None:
+        raise LookupError(
+            f"t2j_ad: no PyTorch function is registered under key {key}. It was "
+            f"released by t2j_ad.clear_caches() (or never registered in this "
+            f"process) while a compiled program still referred to it. Re-trace "
+            f"the function: call jax.clear_caches() and call it again, or "
+            f"re-run .lower().compile() on ahead-of-time compiled programs."
+        )
+    return fun
+
+
+def size() -> int:
+    """Number of live entries."""
+    return len(_fun_of)
+
+
+def clear() -> None:
+    """Forget every entry (``t2j_ad.clear_caches()`` calls this).
+
+    Programs compiled before this call and still held raise a ``LookupError``
+    naming the fix when run; new traces get new keys.
+    """
+    with _lock:
+        _fun_of.clear()
+        _key_of.clear()
