@@ -85,9 +85,15 @@ class _Signature:
 
 
 class JaxifiedFunction:
-    """A PyTorch function callable from JAX under every transform."""
+    """A PyTorch function callable from JAX under every transform.
 
-    def __init__(self, torch_fn: Callable[..., Any], vmap_method: str, output_shapes: Any):
+    ``autograd_vjp=True`` computes reverse mode with ``torch.autograd.grad``
+    instead of trying ``torch.func.vjp`` first (see NOTE [fallbacks]).
+    """
+
+    def __init__(
+        self, torch_fn: Callable[..., Any], vmap_method: str, output_shapes: Any, *, autograd_vjp: bool = False
+    ):
         if not callable(torch_fn):
             raise TypeError(f"jaxify: torch_fn must be callable, got {type(torch_fn).__name__}.")
         if vmap_method not in VMAP_METHODS:
@@ -95,6 +101,7 @@ class JaxifiedFunction:
         self.torch_fn = torch_fn
         self.vmap_method = vmap_method
         self.output_shapes = output_shapes
+        self.autograd_vjp = autograd_vjp
         self.name = getattr(torch_fn, "__qualname__", None) or getattr(torch_fn, "__name__", None) or repr(torch_fn)
         try:
             self._signature: inspect.Signature | None = inspect.signature(torch_fn)
@@ -198,6 +205,7 @@ class JaxifiedFunction:
             out_names=tuple(f"output{p}" for p, *_ in declared),
             torch_out_dtypes=tuple(t for *_, t in declared),
             mutation_checked=mutation_checked,
+            autograd_vjp=self.autograd_vjp,
         )
         return _Signature(base, out_tree)
 

@@ -109,6 +109,7 @@ class BaseFn:
         out_names: tuple[str, ...],
         torch_out_dtypes: tuple[Any, ...],
         mutation_checked: bool,
+        autograd_vjp: bool = False,
     ):
         self.fn = fn
         self.name = name
@@ -123,6 +124,9 @@ class BaseFn:
         # False until one run has shown the function leaves its inputs alone;
         # until then the runtime hands it copies (see runtime.py).
         self.mutation_checked = mutation_checked
+        # Reverse mode by torch.autograd.grad from the start, never trying
+        # torch.func.vjp (see NOTE [fallbacks] in rules/fallbacks.py).
+        self.autograd_vjp = autograd_vjp
         self.built: dict[tuple[Transform, ...], Callable[..., tuple[Any, ...]]] = {}
         self.lock = threading.Lock()
 

@@ -16,6 +16,12 @@ NOTE [fallbacks]
 - code ``torch.vmap`` cannot trace (``.item()``, data-dependent control flow)
   refuses batching; with ``vmap_method="auto"`` it runs sequentially.
 
+A function can also ask for ``torch.autograd.grad`` from the start
+(``BaseFn.autograd_vjp``; torch2jax's ``use_torch_vjp=False``). Code on that
+path cannot run inside a ``torch.func`` transform, and PyTorch says so; a
+level above it (forward mode, the outer pass of the double-vjp trick) then
+takes its own fallback, so every order still works.
+
 Each fallback is decided once per function and transform prefix, remembered
 on the ``BaseFn`` (so later calls pay no failed attempt), and announced with
 one warning that names the function and PyTorch's reason.
@@ -35,11 +41,19 @@ class FallbackWarning(UserWarning):
     """A PyTorch function runs on a slower path that still gives exact results."""
 
 
+# An inner level on the torch.autograd.grad path, run inside a torch.func
+# transform (see NOTE [fallbacks]).
+_INNER_AUTOGRAD = "inside of a function being transformed by a functorch transform"
 _FORWARD_REFUSALS = (
     "You must implement the jvp function",
     "must override the setup_context staticmethod",
+    _INNER_AUTOGRAD,
+    # Some forward-mode formulas write into the efficient zero tangent of an
+    # input that has none (torch 2.x: jacfwd(grad(mse_loss)) with the target
+    # closed over); reverse mode has no such formula, so the trick works.
+    "ZeroTensors are immutable",
 )
-_FUNCTORCH_REFUSALS = ("must override the setup_context staticmethod",)
+_FUNCTORCH_REFUSALS = ("must override the setup_context staticmethod", _INNER_AUTOGRAD)
 
 
 def _refused(err: BaseException, needles: Sequence[str]) -> bool:
@@ -98,7 +112,7 @@ def reverse_mode(
 ) -> tuple[torch.Tensor, ...]:
     """Cotangents of ``primals``: ``torch.func.vjp``, else ``autograd.grad``."""
     decided = base.__dict__.setdefault("fallbacks", {})
-    if decided.get(("vjp", key)) != "autograd":
+    if not base.autograd_vjp and decided.get(("vjp", key)) != "autograd":
         try:
             _, pullback = torch.func.vjp(fn, *primals)
             return tuple(pullback(tuple(cotangents)))
