@@ -1,0 +1,445 @@
+"""The torch2jax package's API on t2j_ad's engine.
+
+``from torch2jax import torch2jax, torch2jax_with_vjp`` becomes
+``from t2j_ad.compat import torch2jax, torch2jax_with_vjp``; the rest of the
+user's code stays as it is.
+
+NOTE [torch2jax compatibility]
+torch2jax wraps a PyTorch function for the shapes of its example arguments
+and checks every call against them. This module keeps that surface and its
+errors, and hands the work to ``JaxifiedFunction``:
+
+- Calls are checked as torch2jax checks them: keyword arguments only when
+  ``example_kw`` was given, and the example arguments' tree structure. Both
+  refusals raise ``Torch2JaxInputError``, a ``RuntimeError`` (what torch2jax
+  raises) that is also a ``TypeError`` (what t2j_ad raises for bad input).
+- Other shapes or dtypes are accepted with a warning, once per new
+  signature, as torch2jax does: their output shapes are inferred on meta
+  tensors, since ``output_shapes`` describes the example arguments only.
+- torch2jax calls the function with the example tensors' torch dtypes and
+  gives JAX the outputs in JAX's dtypes: with ``jax_enable_x64`` off, an
+  int64 target arrives as int32 and is cast back for PyTorch, and an int64 or
+  float64 output is returned in 32 bits. Outputs are matched to
+  ``output_shapes`` leaf by leaf, so a list declared for a returned tuple
+  fits, as it does in torch2jax.
+- There is no ``depth``: every derivative is a PyTorch function that goes
+  through the same primitive (NOTE [every derivative is a PyTorch function]
+  in torch_fn.py), so ``jax.grad`` composes to any order and ``jax.jvp``,
+  ``jax.hessian`` and ``jax.vmap`` of gradients work too. ``depth`` is
+  accepted and ignored.
+- ``nondiff_argnums`` / ``nondiff_mask`` put ``jax.lax.stop_gradient`` on
+  those arguments: their gradients are zeros and PyTorch never differentiates
+  with respect to them (symbolic zeros). torch2jax returns zeros
+  (``use_zeros=True``) or ``None`` cotangents, which JAX also turns into
+  zeros, so both values of ``use_zeros`` give zeros here.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch import Size as Size
+
+from .api import JaxifiedFunction
+from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, j2t as _j2t, t2j as _t2j, torch_dtype
+
+__all__ = [
+    "Size",
+    "Torch2JaxFunction",
+    "Torch2JaxInputError",
+    "dtype_j2t",
+    "dtype_t2j",
+    "j2t",
+    "t2j",
+    "torch2jax",
+    "torch2jax_with_vjp",
+    "tree_j2t",
+    "tree_t2j",
+]
+
+
+class Torch2JaxInputError(RuntimeError, TypeError):
+    """A call that does not fit the example arguments' structure.
+
+    A ``RuntimeError`` as in torch2jax, and a ``TypeError`` as everywhere else
+    in t2j_ad, so code written for either catches it.
+    """
+
+
+# --------------------------------------------------------------------- dtypes
+
+
+def dtype_t2j(dtype: Any) -> np.dtype:
+    """The JAX dtype for a torch dtype (other dtypes pass through ``jnp.dtype``)."""
+    try:
+        return jax_dtype(dtype) if isinstance(dtype, torch.dtype) else np.dtype(jnp.dtype(dtype))
+    except (UnsupportedDtypeError, TypeError) as err:
+        raise ValueError(f"Unsupported dtype: {dtype} ({err})") from None
+
+
+def dtype_j2t(dtype: Any) -> torch.dtype:
+    """The torch dtype for a JAX/NumPy dtype (torch dtypes pass through)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return torch_dtype(dtype)
+    except UnsupportedDtypeError as err:
+        raise ValueError(f"Unsupported dtype: {dtype} ({err})") from None
+
+
+# ---------------------------------------------------------------- conversion
+
+_VIAS = ("dlpack", "cpu")
+
+
+def _check_via(via: str) -> None:
+    if via not in _VIAS:
+        raise ValueError(f"via must be one of {_VIAS}, got {via!r}.")
+
+
+def t2j(x: torch.Tensor, via: str = "dlpack") -> jax.Array:
+    """A JAX array from a torch tensor: shared memory (``via="dlpack"``) or a copy (``"cpu"``)."""
+    _check_via(via)
+    if via == "dlpack":
+        return _t2j(x)
+    device = jax.devices("gpu" if x.is_cuda else "cpu")[0]
+    return jax.device_put(np.asarray(x.detach().cpu().numpy()), device)
+
+
+def j2t(x: jax.Array, via: str = "dlpack") -> torch.Tensor:
+    """A torch tensor from a JAX array: shared memory (``via="dlpack"``) or a copy (``"cpu"``)."""
+    _check_via(via)
+    if via == "dlpack":
+        return _j2t(x)
+    (device,) = x.devices()
+    return torch.as_tensor(np.array(x), device="cuda" if device.platform == "gpu" else "cpu")
+
+
+def tree_t2j(xs: Any, via: str = "dlpack") -> Any:
+    """Every torch tensor in ``xs`` as a JAX array; other leaves unchanged."""
+    _check_via(via)
+    return jax.tree.map(lambda x: t2j(x, via) if isinstance(x, torch.Tensor) else x, xs)
+
+
+def tree_j2t(xs: Any, via: str = "dlpack") -> Any:
+    """Every JAX array in ``xs`` as a torch tensor; other leaves unchanged."""
+    _check_via(via)
+    return jax.tree.map(lambda x: j2t(x, via) if isinstance(x, jax.Array) else x, xs)
+
+
+# ------------------------------------------------------ example arguments
+
+
+def _example_dtypes(example_inputs: Any) -> list[torch.dtype]:
+    """The torch dtype of each example leaf; refuses leaves that are not arrays."""
+    dtypes = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(example_inputs)[0]:
+        where = f"example argument {jax.tree_util.keystr(path)}"
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise TypeError(
+                f"{where} is a {type(leaf).__name__}; torch2jax example arguments are torch "
+                f"tensors, JAX arrays or jax.ShapeDtypeStruct."
+            )
+        try:
+            dtype = leaf.dtype if isinstance(leaf, torch.Tensor) else torch_dtype(leaf.dtype)
+            jax_dtype(dtype)
+        except UnsupportedDtypeError as err:
+            raise TypeError(f"{where}: {err}") from None
+        dtypes.append(dtype)
+    return dtypes
+
+
+def _canonical(dtype: torch.dtype) -> np.dtype:
+    return canonical_jax_dtype(jax_dtype(dtype))
+
+
+def _signature_key(leaves: Sequence[Any]) -> tuple[Any, ...] | None:
+    """(shape, dtype) per leaf as JAX sees it; None when a leaf is no array."""
+    key = []
+    for x in leaves:
+        try:
+            aval = jax.typeof(x)
+        except TypeError:
+            return None
+        key.append((tuple(aval.shape), np.dtype(aval.dtype)))
+    return tuple(key)
+
+
+def _format_key(key: tuple[Any, ...]) -> str:
+    return ", ".join(f"{dtype.name}{list(shape)}" for shape, dtype in key)
+
+
+# ------------------------------------------------------------ output shapes
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and all(isinstance(d, int) for d in x)
+
+
+def _normalize_output_shapes(output_shapes: Any, example_dtypes: Sequence[torch.dtype]) -> Any:
+    """``output_shapes`` as a pytree of ``jax.ShapeDtypeStruct`` in JAX's dtypes.
+
+    A leaf with a dtype keeps it; a bare shape (``torch.Size``, a tuple of
+    ints) gets the example arguments' floating dtype, as in torch2jax.
+    """
+    with_paths, tree = jax.tree_util.tree_flatten_with_path(output_shapes, is_leaf=_is_shape)
+    structs = []
+    for path, leaf in with_paths:
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            structs.append(jax.ShapeDtypeStruct(tuple(leaf.shape), canonical_jax_dtype(dtype_t2j(leaf.dtype))))
+        elif _is_shape(leaf):
+            dtype = _default_float(example_dtypes, f"output_shapes{jax.tree_util.keystr(path)}")
+            structs.append(jax.ShapeDtypeStruct(tuple(leaf), dtype))
+        else:
+            raise TypeError(
+                f"output_shapes{jax.tree_util.keystr(path)} is a {type(leaf).__name__}; give "
+                f"output shapes as torch.Size or jax.ShapeDtypeStruct (or pytrees of them)."
+            )
+    return jax.tree.unflatten(tree, structs)
+
+
+def _default_float(example_dtypes: Sequence[torch.dtype], where: str) -> np.dtype:
+    floats = sorted({_canonical(d).name for d in example_dtypes if d.is_floating_point})
+    if len(floats) != 1:
+        found = f"floating dtypes {', '.join(floats)}" if floats else "no floating dtype"
+        raise ValueError(
+            f"{where} is a shape without a dtype, and the example arguments have {found}, so "
+            f"its dtype cannot be guessed; give it as jax.ShapeDtypeStruct(shape, dtype)."
+        )
+    return np.dtype(floats[0])
+
+
+# --------------------------------------------------------- the torch side
+
+
+def _torch_side(fn: Callable[..., Any], torch_dtypes: Sequence[torch.dtype], out_tree: Any) -> Callable[..., Any]:
+    """``fn`` as torch2jax calls it (see NOTE [torch2jax compatibility])."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        leaves, in_tree = jax.tree.flatten((args, kwargs))
+        leaves = [_as_example_dtype(t, dt) for t, dt in zip(leaves, torch_dtypes)]
+        args, kwargs = jax.tree.unflatten(in_tree, leaves)
+        out = jax.tree.map(_as_jax_dtype, fn(*args, **kwargs))
+        if out_tree is not None:
+            outs = jax.tree.leaves(out)
+            if len(outs) == out_tree.num_leaves:
+                return jax.tree.unflatten(out_tree, outs)
+        return out  # the engine names what does not fit
+
+    return call
+
+
+def _as_example_dtype(t: Any, dtype: torch.dtype) -> Any:
+    if isinstance(t, torch.Tensor) and t.dtype != dtype and _canonical(t.dtype) == _canonical(dtype):
+        return t.to(dtype)
+    return t
+
+
+def _as_jax_dtype(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    try:
+        canonical = torch_dtype(_canonical(t.dtype))
+    except UnsupportedDtypeError:
+        return t  # refused by the engine with its own message
+    return t if canonical == t.dtype else t.to(canonical)
+
+
+# ------------------------------------------------------------ the wrapper
+
+_SHAPES_CHANGED = (
+    "torch2jax: input shapes changed; t2j_ad infers the output shapes for the new inputs "
+    "on meta tensors{declared}.\nExpecting: {expected}\nActual:    {actual}"
+)
+
+
+class Torch2JaxFunction:
+    """What ``torch2jax`` and ``torch2jax_with_vjp`` return: a JAX function."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        example_args: tuple[Any, ...],
+        example_kw: dict[str, Any] | None,
+        *,
+        output_shapes: Any,
+        vmap_method: str,
+        nondiff: Sequence[bool] | None = None,
+        autograd_vjp: bool = False,
+    ):
+        if not callable(fn):
+            raise TypeError(f"torch2jax: fn must be callable, got {type(fn).__name__}.")
+        self._has_kw = example_kw is not None
+        examples = (example_args, example_kw) if self._has_kw else example_args
+        torch_dtypes = _example_dtypes(examples)
+        leaves, self._in_tree = jax.tree.flatten(examples)
+        # The examples as JAX sees them (an int64 tensor is int32 with x64 off).
+        structs = [jax.ShapeDtypeStruct(tuple(x.shape), _canonical(dt)) for x, dt in zip(leaves, torch_dtypes)]
+        self._example_key = _signature_key(structs)
+        self._nondiff = tuple(nondiff) if nondiff is not None and any(nondiff) else None
+        self._warned: set[Any] = set()
+        options = dict(vmap_method=vmap_method, autograd_vjp=autograd_vjp)
+        # Any signature, output shapes inferred by the engine and cached per signature.
+        self._inferred = JaxifiedFunction(_torch_side(fn, torch_dtypes, None), output_shapes=None, **options)
+        if output_shapes is None:
+            self._declared = None
+            # torch2jax finds the output shapes when it wraps; so do we, on meta
+            # tensors first (the engine's inference), and keep them cached.
+            structs = jax.tree.unflatten(self._in_tree, structs)
+            args_s, kw_s = structs if self._has_kw else (structs, {})
+            jax.eval_shape(lambda a, k: self._inferred(*a, **k), args_s, kw_s)
+        else:
+            declared = _normalize_output_shapes(output_shapes, torch_dtypes)
+            torch_side = _torch_side(fn, torch_dtypes, jax.tree.structure(declared))
+            self._declared = JaxifiedFunction(torch_side, output_shapes=declared, **options)
+        functools.update_wrapper(self, fn, updated=())
+
+    def __repr__(self) -> str:
+        return f"<torch2jax {self._inferred.name}>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs and not self._has_kw:
+            raise Torch2JaxInputError(
+                f"Keyword arguments not expected! Got {sorted(kwargs)}; pass example_kw= to "
+                f"torch2jax to declare keyword arguments."
+            )
+        given = (args, kwargs) if self._has_kw else args
+        leaves, tree = jax.tree.flatten(given)
+        if tree != self._in_tree:
+            what = "(args, kw)" if self._has_kw else "args"
+            raise Torch2JaxInputError(
+                f"Provided {what} of structure\n{tree}\ndo not match the torch2jax function's "
+                f"expected input structure (that of the example arguments)\n{self._in_tree}"
+            )
+        if self._nondiff is not None:
+            leaves = [jax.lax.stop_gradient(x) if m else x for x, m in zip(leaves, self._nondiff)]
+            given = jax.tree.unflatten(tree, leaves)
+            args, kwargs = given if self._has_kw else (given, {})
+        key = _signature_key(leaves)
+        if key == self._example_key and self._declared is not None:
+            return self._declared(*args, **kwargs)
+        if key is not None and key != self._example_key and key not in self._warned:
+            self._warned.add(key)
+            declared = ", not from output_shapes (it describes the example arguments)" if self._declared else ""
+            warnings.warn(
+                _SHAPES_CHANGED.format(
+                    declared=declared, expected=_format_key(self._example_key), actual=_format_key(key)
+                ),
+                UserWarning,
+                stacklevel=2,
+            )
+        return self._inferred(*args, **kwargs)
+
+
+# --------------------------------------------------------------- the API
+
+
+def _refuse_sharding(output_sharding_spec: Any, name: str) -> None:
+    if output_sharding_spec is not None:
+        raise NotImplementedError(
+            f"{name}(output_sharding_spec=...) is not supported yet: t2j_ad has no multi-device "
+            f"support. Leave output_sharding_spec=None."
+        )
+
+
+def torch2jax(
+    fn: Callable[..., Any],
+    *example_args: Any,
+    example_kw: dict[str, Any] | None = None,
+    output_shapes: Any = None,
+    output_sharding_spec: Any = None,
+    vmap_method: str = "sequential",
+) -> Torch2JaxFunction:
+    """A JAX function calling the PyTorch function ``fn``, as torch2jax's ``torch2jax``.
+
+    Args:
+        fn: the PyTorch function; called as ``fn(*args, **kw)``.
+        *example_args: example arguments (torch tensors, JAX arrays or
+            ``jax.ShapeDtypeStruct``), or pytrees of them.
+        example_kw: example keyword arguments; without them the function
+            takes none.
+        output_shapes: the outputs' shapes (``torch.Size``,
+            ``jax.ShapeDtypeStruct``, or pytrees of them). When given, ``fn``
+            is not run to infer them; otherwise it runs once, on meta tensors
+            where it can.
+        output_sharding_spec: not supported yet (raises NotImplementedError).
+        vmap_method: how a batch reaches PyTorch under ``jax.vmap``:
+            ``"sequential"``, ``"expand_dims"``, ``"broadcast_all"`` or ``"auto"``.
+
+    Unlike torch2jax's, the result is differentiable to any order, in
+    forward and reverse mode (see ``torch2jax_with_vjp``).
+    """
+    _refuse_sharding(output_sharding_spec, "torch2jax")
+    return Torch2JaxFunction(fn, example_args, example_kw, output_shapes=output_shapes, vmap_method=vmap_method)
+
+
+def _nondiff_mask(example_args: tuple[Any, ...], nondiff_argnums: Any, nondiff_mask: Any) -> list[bool] | None:
+    """One flag per example leaf: True where gradients are zeros."""
+    if nondiff_argnums is not None:
+        # As in torch2jax, nondiff_argnums names whole arguments and wins over nondiff_mask.
+        argnums = (nondiff_argnums,) if isinstance(nondiff_argnums, int) else tuple(nondiff_argnums)
+        bad = [i for i in argnums if not -len(example_args) <= i < len(example_args)]
+        if bad:
+            raise ValueError(f"nondiff_argnums {bad} out of range for {len(example_args)} example arguments.")
+        argnums = {i % len(example_args) for i in argnums}
+        nondiff_mask = [jax.tree.map(lambda _: i in argnums, arg) for i, arg in enumerate(example_args)]
+    if nondiff_mask is None:
+        return None
+    flags = jax.tree.leaves(nondiff_mask)
+    n = len(jax.tree.leaves(example_args))
+    if len(flags) != n:
+        raise ValueError(
+            f"nondiff_mask has {len(flags)} leaves, but the example arguments have {n}; give one "
+            f"bool per array, in a tree like example_args."
+        )
+    return [bool(m) for m in flags]
+
+
+def torch2jax_with_vjp(
+    torch_fn: Callable[..., Any],
+    *example_args: Any,
+    depth: int = 2,
+    nondiff_argnums: int | Sequence[int] | None = None,
+    nondiff_mask: Any = None,
+    output_shapes: Any = None,
+    use_zeros: bool = True,
+    use_torch_vjp: bool = True,
+    output_sharding_spec: Any = None,
+    vmap_method: str = "sequential",
+) -> Torch2JaxFunction:
+    """A differentiable JAX function calling ``torch_fn``, as torch2jax's ``torch2jax_with_vjp``.
+
+    Args:
+        torch_fn, *example_args, output_shapes, vmap_method: as in ``torch2jax``.
+        depth: accepted for compatibility and ignored: derivatives of every
+            order work, in reverse and forward mode (``jax.hessian``,
+            ``jax.jacfwd``) and under ``jax.vmap``.
+        nondiff_argnums: indices of whole arguments whose gradients are zeros.
+        nondiff_mask: a pytree like ``example_args`` of bools, True where the
+            gradient is zeros. ``nondiff_argnums`` wins when both are given.
+        use_zeros: accepted; gradients of non-differentiable arguments are
+            zeros either way (torch2jax's ``None`` cotangents are zeros in JAX).
+        use_torch_vjp: False computes reverse mode with
+            ``torch.autograd.grad`` instead of ``torch.func.vjp``, for code
+            ``torch.func`` refuses (old-style ``autograd.Function``).
+        output_sharding_spec: not supported yet (raises NotImplementedError).
+    """
+    del depth, use_zeros  # see the docstring and NOTE [torch2jax compatibility]
+    _refuse_sharding(output_sharding_spec, "torch2jax_with_vjp")
+    return Torch2JaxFunction(
+        torch_fn,
+        example_args,
+        None,
+        output_shapes=output_shapes,
+        vmap_method=vmap_method,
+        nondiff=_nondiff_mask(example_args, nondiff_argnums, nondiff_mask),
+        autograd_vjp=not use_torch_vjp,
+    )
