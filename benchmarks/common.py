@@ -1,0 +1,137 @@
+"""Shared timing helpers for the benchmarks in this folder.
+
+Every benchmark times each contender in the same process and reports ratios,
+so the numbers compare like with like on whatever machine runs them. A
+contender is a zero-argument callable that returns when its work is done
+(call ``jax.block_until_ready`` inside it for JAX results).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Benchmarks run on CPU unless told otherwise, like the tests.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median and spread of one contender's per-call time, in seconds."""
+
+    name: str
+    median: float
+    low: float
+    high: float
+    repeats: int
+
+
+def _calls_per_sample(fn: Callable[[], Any], min_time: float) -> int:
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-7)
+    return max(1, int(min_time / once))
+
+
+def time_calls(
+    contenders: Mapping[str, Callable[[], Any]],
+    *,
+    warmup: int = 3,
+    repeats: int = 15,
+    min_time: float = 0.05,
+    repeats_of: Mapping[str, int] | None = None,
+) -> list[Timing]:
+    """Median per-call time of each contender, sampled round-robin.
+
+    ``warmup`` calls of each come first (compilation, caches). Then each of
+    ``repeats`` rounds times every contender once, in turn, running it enough
+    times to last about ``min_time`` seconds (so sub-millisecond calls are not
+    swamped by timer resolution). Interleaving means a burst of load from
+    elsewhere on the machine hits every contender alike, which keeps the
+    ratios honest on a shared machine. ``repeats_of`` lowers the number of
+    rounds for slow contenders.
+    """
+    repeats_of = dict(repeats_of or {})
+    for fn in contenders.values():
+        for _ in range(warmup):
+            fn()
+    number = {name: _calls_per_sample(fn, min_time) for name, fn in contenders.items()}
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for round_ in range(repeats):
+        for name, fn in contenders.items():
+            if round_ >= repeats_of.get(name, repeats):
+                continue
+            start = time.perf_counter()
+            for _ in range(number[name]):
+                fn()
+            samples[name].append((time.perf_counter() - start) / number[name])
+    timings = []
+    for name, times in samples.items():
+        times.sort()
+        q = len(times) // 4  # interquartile range: the spread between runs
+        timings.append(Timing(name, statistics.median(times), times[q], times[-1 - q], len(times)))
+    return timings
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def markdown_table(timings: Sequence[Timing], reference: str) -> str:
+    """A table of medians (with interquartile range) and ratios to ``reference``."""
+    ref = next(t for t in timings if t.name == reference).median
+    lines = [
+        f"| contender | median | IQR | ratio to {reference} |",
+        "|---|---:|---:|---:|",
+    ]
+    for t in timings:
+        lines.append(
+            f"| {t.name} | {format_seconds(t.median)} | "
+            f"{format_seconds(t.low)} – {format_seconds(t.high)} | {t.median / ref:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def set_threads(n: int) -> None:
+    """Use ``n`` PyTorch threads in t2j_ad calls and in plain PyTorch alike,
+    so torch.func references run with the same width as t2j_ad."""
+    import torch
+
+    import t2j_ad
+
+    t2j_ad.set_torch_threads(n)
+    torch.set_num_threads(n)
+
+
+def environment() -> str:
+    """One line naming what produced the numbers."""
+    import jax
+    import torch
+
+    from t2j_ad import backends
+
+    backend = backends.select().__name__.rsplit(".", 1)[-1]
+    return (
+        f"t2j_ad backend `{backend}`, torch {torch.__version__}, jax {jax.__version__}, "
+        f"Python {sys.version.split()[0]}, {platform.machine()} with {os.cpu_count()} CPU(s), "
+        f"JAX platform {jax.default_backend()}"
+    )
+
+
+def print_report(title: str, command: str, sections: Sequence[tuple[str, str]]) -> None:
+    """Print a markdown block: title, command, environment, then each table."""
+    print(f"### {title}\n")
+    print(f"`{command}`\n")
+    print(environment() + "\n")
+    for heading, body in sections:
+        print(f"{heading}\n\n{body}\n")
