@@ -106,8 +106,13 @@ def run_into(
         inputs = [t.clone() for t in inputs]
     versions = [t._version for t in inputs]
     impl = build(fun)
+    # No graph for a plain call. A transformed one runs with grad mode on:
+    # torch.func.jvp over torch.func.vjp under no_grad silently drops the
+    # tangents of tensors the vjp saved (jvp-of-vjp of linalg.solve came out
+    # half its value), so Hessians were wrong.
+    grad_mode = torch.enable_grad() if fun.transforms else torch.no_grad()
     try:
-        with torch.no_grad(), _stream_context(stream):
+        with grad_mode, _stream_context(stream):
             results = impl(*inputs)
     except TorchCallError:
         raise
