@@ -1,0 +1,429 @@
+"""PyTorch code that torch.func refuses still differentiates through JAX.
+
+- An ``autograd.Function`` without a ``jvp`` staticmethod: forward mode comes
+  from the double-vjp trick (also inside ``torch.vmap``).
+- An old-style ``autograd.Function`` (``forward(ctx, ...)``): reverse mode
+  from ``torch.autograd.grad(create_graph=True)``, forward mode from the
+  double-vjp trick on top of it, batching from the sequential loop.
+- The two examples of PyTorch's guide "Extending torch.func with
+  autograd.Function": NumpySort/NumpyTake (NumPy inside, ``vmap``
+  staticmethods) and MyCube (``generate_vmap_rule = True``, no ``jvp``).
+
+Each fallback warns once, naming the function and PyTorch's reason. Every
+result is compared with pure JAX on the same math, eagerly and under jit.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import assert_tree_allclose
+
+import t2j_ad
+from t2j_ad import FallbackWarning
+
+MODES = ("eager", "jit")
+
+X = jnp.array([0.3, -1.2, 0.7, 2.0], jnp.float32)
+V = jnp.array([0.5, -0.25, 1.0, 0.1], jnp.float32)
+X2 = jnp.array([[0.3, -1.2, 0.7], [2.0, 0.1, -0.4]], jnp.float32)
+
+
+def check(transforms, torch_version, jax_version, *args, **tol):
+    """Each transform of ``torch_version`` matches the same transform of
+    ``jax_version`` (run under jit), eagerly and under ``jax.jit``."""
+    table = dict(transforms)
+
+    def combined(f):
+        return lambda *a: {name: tr(f)(*a) for name, tr in table.items()}
+
+    expected = jax.jit(combined(jax_version))(*args)
+    for mode in MODES:
+        fn = combined(torch_version)
+        actual = (jax.jit(fn) if mode == "jit" else fn)(*args)
+        for name in table:
+            try:
+                assert_tree_allclose(actual[name], expected[name], **tol)
+            except AssertionError as err:
+                raise AssertionError(f"{name} ({mode}): {err}") from None
+
+
+def fallback_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
+
+
+def assert_warned_once(record, *needles: str) -> None:
+    """Exactly one FallbackWarning containing every needle."""
+    matching = [m for m in fallback_warnings(record) if all(n in m for n in needles)]
+    assert len(matching) == 1, (needles, fallback_warnings(record))
+
+
+def _grad_of_grad(f):
+    """Reverse over reverse: the gradient of <grad f(x), V>."""
+    return jax.grad(lambda x: jnp.vdot(jax.grad(f)(x), V))
+
+
+# ------------------------------------------------------------------ MyCube
+# From "Extending torch.func with autograd.Function", Example 2 with
+# generate_vmap_rule = True: a custom backward, no jvp staticmethod.
+
+
+class MyCube(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        result = x**3
+        dx = 3 * x**2
+        return result, dx
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (x,) = inputs
+        result, dx = output
+        ctx.save_for_backward(x, dx)
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_dx):
+        x, dx = ctx.saved_tensors
+        # Higher-order gradients need the contribution of dx as well.
+        result = grad_output * dx + grad_dx * 6 * x
+        return result
+
+
+def my_cube(x):
+    result, _ = MyCube.apply(x)
+    return result
+
+
+def _j_cube_loss(x):
+    return jnp.sum(jnp.sin(x) * x**3)
+
+
+def _cube_loss(f):
+    return lambda x: jnp.sum(jnp.sin(x) * f(x))
+
+
+def test_my_cube_grad_grad_of_grad_hessian():
+    f = t2j_ad.jaxify(my_cube)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        check(
+            {
+                "grad": lambda f: jax.grad(f),
+                "grad_of_grad": _grad_of_grad,
+                "scalar_grad_of_grad": lambda f: lambda x: jax.grad(jax.grad(lambda s: f(s * x).sum()))(1.5),
+                "hessian": jax.hessian,
+            },
+            _cube_loss(f),
+            _j_cube_loss,
+            X,
+        )
+    # torch.func.jvp refuses MyCube (no jvp staticmethod): one warning that
+    # names the function and PyTorch's reason.
+    assert_warned_once(record, "my_cube", "double-vjp", "You must implement the jvp function")
+
+
+def test_my_cube_forward_mode_and_inside_torch_vmap():
+    f = t2j_ad.jaxify(my_cube)
+    xs = jnp.stack([X, V, X * V])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        check(
+            {
+                "jvp": lambda f: lambda x: jax.jvp(f, (x,), (V,)),
+                "jacfwd": jax.jacfwd,
+                "linearize": lambda f: lambda x: jax.linearize(f, x)[1](V),
+                "jacfwd_of_jacfwd": lambda f: jax.jacfwd(jax.jacfwd(f)),
+            },
+            f,
+            lambda x: x**3,
+            X,
+        )
+        # jax.vmap over forward mode: torch.vmap (MyCube's generated vmap
+        # rule) of the double-vjp.
+        check(
+            {
+                "vmap_jacfwd": lambda f: jax.vmap(jax.jacfwd(f)),
+                "vmap_hessian": lambda f: jax.vmap(jax.hessian(lambda x: jnp.sum(jnp.sin(x) * f(x)))),
+            },
+            f,
+            lambda x: x**3,
+            xs,
+        )
+    assert_warned_once(record, "my_cube", "double-vjp", "You must implement the jvp function")
+    # Batched through torch.vmap, not the sequential loop.
+    assert not [m for m in fallback_warnings(record) if "sequential" in m]
+
+
+def test_fallback_warning_is_one_time_per_function():
+    f = t2j_ad.jaxify(my_cube)
+    jacfwd = jax.jit(jax.jacfwd(f))
+    with pytest.warns(FallbackWarning, match="my_cube") as record:
+        first = jacfwd(X)
+    assert len(fallback_warnings(record)) == 1
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        again = jax.jacfwd(f)(V)  # eager, new transform trace, same function
+        second = jacfwd(V)
+    assert fallback_warnings(record) == []
+    assert_tree_allclose(first, jnp.diag(3 * X**2))
+    assert_tree_allclose(second, jnp.diag(3 * V**2))
+    assert_tree_allclose(again, second)
+
+
+# --------------------------------------------- a two-input Function without jvp
+
+
+class ScaledSin(torch.autograd.Function):
+    """``x * sin(y)`` with a hand-written backward and no jvp."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, y):
+        return x * torch.sin(y)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, y = ctx.saved_tensors
+        return grad * torch.sin(y), grad * x * torch.cos(y)
+
+
+def scaled_sin(x, y):
+    return ScaledSin.apply(x, y) ** 2
+
+
+def _j_scaled_sin(x, y):
+    return (x * jnp.sin(y)) ** 2
+
+
+def test_function_without_jvp_two_inputs():
+    f = t2j_ad.jaxify(scaled_sin)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        check(
+            {
+                "jvp": lambda f: lambda x, y: jax.jvp(f, (x, y), (V, -V)),
+                "jvp_y_only": lambda f: lambda x, y: jax.jvp(lambda y: f(x, y), (y,), (V,)),
+                "jacfwd": lambda f: jax.jacfwd(f, argnums=(0, 1)),
+                "hessian": lambda f: jax.hessian(lambda x, y: f(x, y).sum(), argnums=(0, 1)),
+                "vmap_jacfwd": lambda f: lambda x, y: jax.vmap(jax.jacfwd(f), (0, None))(jnp.stack([x, y]), y),
+            },
+            f,
+            _j_scaled_sin,
+            X,
+            V,
+        )
+    assert_warned_once(record, "scaled_sin", "double-vjp", "You must implement the jvp function")
+
+
+# ------------------------------------------------ old-style autograd.Function
+
+
+class OldCube(torch.autograd.Function):
+    """Old style: ``forward(ctx, ...)``, no setup_context. Every torch.func
+    transform refuses it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 3 * x**2
+
+
+def old_cube(x):
+    return OldCube.apply(x)
+
+
+def test_old_style_function_grad_grad_of_grad():
+    f = t2j_ad.jaxify(old_cube)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        check(
+            {
+                "grad": lambda f: jax.grad(f),
+                "grad_of_grad": _grad_of_grad,
+                "third_order": lambda f: lambda x: jax.grad(jax.grad(jax.grad(lambda s: f(s * x).sum())))(0.5),
+                "vjp": lambda f: lambda x: jax.vjp(lambda x: jnp.sin(x) * f(x).sum(), x)[1](V),
+            },
+            _cube_loss(f),
+            _j_cube_loss,
+            X,
+        )
+    assert_warned_once(record, "old_cube", "torch.autograd.grad", "setup_context")
+
+
+def test_old_style_function_jacfwd_hessian():
+    f = t2j_ad.jaxify(old_cube)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        check(
+            {
+                "jvp": lambda f: lambda x: jax.jvp(f, (x,), (V,)),
+                "jacfwd": jax.jacfwd,
+                "jacrev": jax.jacrev,
+                "hessian": lambda f: jax.hessian(lambda x: jnp.sum(jnp.sin(x) * f(x))),
+            },
+            f,
+            lambda x: x**3,
+            X,
+        )
+    messages = fallback_warnings(record)
+    assert_warned_once(record, "old_cube", "torch.autograd.grad", "setup_context")
+    assert_warned_once(record, "old_cube", "double-vjp", "setup_context")
+    # jacrev/hessian batch with torch.vmap, which refuses old-style Functions.
+    assert_warned_once(record, "old_cube", "sequential")
+    assert len(messages) == 3, messages
+
+
+# ------------------------------------------------------- NumpySort/NumpyTake
+# From "Extending torch.func with autograd.Function", Example 1 with the vmap
+# staticmethods of "Defining the vmap staticmethod". (The guide's second
+# listing of NumpySort.backward uses ind/ind_inv without reading them from
+# ctx.saved_tensors; the first listing's backward is used here.)
+
+
+def to_numpy(tensor):
+    return tensor.cpu().numpy()
+
+
+class NumpySort(torch.autograd.Function):
+    @staticmethod
+    def forward(x, dim):
+        device = x.device
+        x = to_numpy(x)
+        ind = np.argsort(x, axis=dim)
+        ind_inv = np.argsort(ind, axis=dim)
+        result = np.take_along_axis(x, ind, axis=dim)
+        return (
+            torch.tensor(result, device=device),
+            torch.tensor(ind, device=device),
+            torch.tensor(ind_inv, device=device),
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, dim = inputs
+        _, ind, ind_inv = output
+        ctx.mark_non_differentiable(ind, ind_inv)
+        ctx.save_for_backward(ind, ind_inv)
+        ctx.dim = dim
+
+    @staticmethod
+    def backward(ctx, grad_output, _0, _1):
+        ind, ind_inv = ctx.saved_tensors
+        return NumpyTake.apply(grad_output, ind_inv, ind, ctx.dim), None
+
+    @staticmethod
+    def vmap(info, in_dims, x, dim):
+        x_bdim, _ = in_dims
+        x = x.movedim(x_bdim, 0)
+        dim = dim if dim >= 0 else dim + x.dim() - 1
+        return NumpySort.apply(x, dim + 1), (0, 0, 0)
+
+
+class NumpyTake(torch.autograd.Function):
+    @staticmethod
+    def forward(x, ind, ind_inv, dim):
+        device = x.device
+        x = to_numpy(x)
+        ind = to_numpy(ind)
+        return torch.tensor(np.take_along_axis(x, ind, dim), device=device)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, ind, ind_inv, dim = inputs
+        ctx.save_for_backward(ind, ind_inv)
+        ctx.dim = dim
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ind, ind_inv = ctx.saved_tensors
+        result = NumpyTake.apply(grad_output, ind_inv, ind, ctx.dim)
+        return result, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, ind, ind_inv, dim):
+        x_bdim, ind_bdim, ind_inv_bdim, _ = in_dims
+        logical_dim = x.dim() if x_bdim is None else x_bdim - 1
+        dim = dim if dim >= 0 else dim + logical_dim
+
+        def maybe_expand_bdim_at_front(x, x_bdim):
+            if x_bdim is None:
+                return x.expand(info.batch_size, *x.shape)
+            return x.movedim(x_bdim, 0)
+
+        x = maybe_expand_bdim_at_front(x, x_bdim)
+        ind = maybe_expand_bdim_at_front(ind, ind_bdim)
+        ind_inv = maybe_expand_bdim_at_front(ind_inv, ind_inv_bdim)
+        return NumpyTake.apply(x, ind, ind_inv, dim + 1), 0
+
+
+def numpy_sort(x, dim=-1):
+    result, _, _ = NumpySort.apply(x, dim)
+    return result
+
+
+def _sort_loss(f):
+    # Nonlinear around the sort, so second derivatives are not all zero.
+    weights = jnp.arange(1.0, 1.0 + X.size, dtype=jnp.float32).reshape(X.shape)
+    return lambda x: jnp.sum(weights * f(x) ** 3)
+
+
+def test_numpy_sort_sanity_check_of_the_guide():
+    x = torch.randn(2, 3)
+    grad_x = torch.func.grad(lambda x: numpy_sort(x).sum())(x)
+    assert torch.allclose(grad_x, torch.ones_like(x))
+    assert torch.allclose(torch.vmap(numpy_sort)(x), numpy_sort(x, 1))
+
+
+def test_numpy_sort_grad_and_second_order():
+    f = t2j_ad.jaxify(numpy_sort)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        check(
+            {
+                "grad": lambda f: jax.grad(_sort_loss(f)),
+                "grad_of_grad": lambda f: _grad_of_grad(_sort_loss(f)),
+                "hessian": lambda f: jax.hessian(_sort_loss(f)),
+                "hvp": lambda f: lambda x: jax.jvp(jax.grad(_sort_loss(f)), (x,), (V,))[1],
+                "jacrev": jax.jacrev,
+            },
+            f,
+            jnp.sort,
+            X,
+        )
+    # NumpySort has no jvp: second order runs the double-vjp trick, under
+    # torch.vmap through the guide's vmap staticmethods (no sequential loop).
+    assert_warned_once(record, "numpy_sort", "double-vjp", "You must implement the jvp function")
+    assert not [m for m in fallback_warnings(record) if "sequential" in m]
+
+
+def test_numpy_sort_along_an_axis_of_a_matrix():
+    f = t2j_ad.jaxify(lambda x: numpy_sort(x, 1) * torch.tanh(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        check(
+            {
+                "grad": lambda f: jax.grad(lambda x: jnp.sum(f(x) ** 2)),
+                "hessian": lambda f: jax.hessian(lambda x: jnp.sum(f(x) ** 2)),
+                "vmap_grad": lambda f: jax.vmap(jax.grad(lambda x: jnp.sum(f(x[None]) ** 2))),
+            },
+            f,
+            lambda x: jnp.sort(x, axis=1) * jnp.tanh(x),
+            X2,
+        )
