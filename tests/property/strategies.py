@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import note
 from hypothesis import strategies as st
 
 from pairs import PAIRS, Domain, Pair
@@ -299,11 +301,15 @@ def cases(
     max_len: int = 3,
     max_order: int = 4,
     outer_vmap: bool = False,
+    extra_order: int = 0,
 ) -> Case:
     """A pair's arguments (any pair's, if None) with a transform stack, a
-    dtype and a vmap method. ``outer_vmap`` puts a ``Vmap`` last in the stack."""
+    dtype and a vmap method. ``outer_vmap`` puts a ``Vmap`` last in the stack;
+    ``extra_order`` is the derivative order the test adds on top, kept within
+    ``pair.max_order``."""
     if pair is None:
         pair = draw(st.sampled_from(PAIRS))
+    max_order = min(max_order, pair.max_order - extra_order)
     dtype = draw(st.sampled_from(DTYPES))
     shapes = draw(st.sampled_from(pair.shapes))
     stack = draw(transform_stacks(pair, shapes, min_len=min_len, max_len=max_len, max_order=max_order))
@@ -319,3 +325,14 @@ def cases(
 def transformed(f: Callable[..., Any], stack: tuple[Transform, ...]) -> Callable[..., Any]:
     """``apply_stack`` cached, so a repeated stack (while shrinking) reuses jit's cache."""
     return apply_stack(f, stack)
+
+
+def note_reproduction() -> None:
+    """Print, with a failing example, the command that reruns it."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    profile = os.environ.get("T2J_AD_HYPOTHESIS_PROFILE", "ci")
+    note(
+        f"reproduce: T2J_AD_HYPOTHESIS_PROFILE={profile} python -m pytest '{test}'  "
+        f"(ci is derandomized and reruns the same examples; for a 'long' failure "
+        f"add the printed @reproduce_failure(...) decorator to the test)"
+    )

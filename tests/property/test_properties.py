@@ -17,7 +17,16 @@ from conftest import TOLERANCES, assert_tree_allclose
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pairs import torch_version
-from strategies import VMAP_METHODS, Case, apply_stack, cases, derivative_order, project, transformed
+from strategies import (
+    VMAP_METHODS,
+    Case,
+    apply_stack,
+    cases,
+    derivative_order,
+    note_reproduction,
+    project,
+    transformed,
+)
 
 # Each property samples the pair too, so it gets a few examples per pair.
 EXAMPLES = 4 * settings.default.max_examples
@@ -37,6 +46,7 @@ def _random_like(rng: np.random.Generator, x: jax.Array) -> jax.Array:
 @settings(max_examples=EXAMPLES)
 @given(case=cases(min_len=0, max_len=1, max_order=1, outer_vmap=True))
 def test_vmap_equals_stacked_rows(case: Case) -> None:
+    note_reproduction()
     *inner, vmap = case.stack
     with jax.enable_x64(case.dtype == "float64"):
         f = jax.jit(transformed(torch_version(case.pair, case.vmap_method), tuple(inner)))
@@ -52,8 +62,9 @@ def test_vmap_equals_stacked_rows(case: Case) -> None:
 
 
 @settings(max_examples=EXAMPLES)
-@given(case=cases(min_len=0, max_len=1, max_order=1), argpick=st.integers(0, 2), seed=st.integers(0, 2**16))
+@given(case=cases(min_len=0, max_len=1, max_order=1, extra_order=1), argpick=st.integers(0, 2), seed=st.integers(0, 2**16))
 def test_jvp_vjp_duality(case: Case, argpick: int, seed: int) -> None:
+    note_reproduction()
     k = case.pair.float_args[argpick % len(case.pair.float_args)]
     rng = np.random.default_rng(seed)
     with jax.enable_x64(case.dtype == "float64"):
@@ -82,8 +93,9 @@ def test_jvp_vjp_duality(case: Case, argpick: int, seed: int) -> None:
 
 
 @settings(max_examples=EXAMPLES)
-@given(case=cases(min_len=0, max_len=1, max_order=1), argpick=st.integers(0, 2))
+@given(case=cases(min_len=0, max_len=1, max_order=1, extra_order=2), argpick=st.integers(0, 2))
 def test_hessian_is_symmetric(case: Case, argpick: int) -> None:
+    note_reproduction()
     k = case.pair.float_args[argpick % len(case.pair.float_args)]
     with jax.enable_x64(case.dtype == "float64"):
         f = transformed(torch_version(case.pair, case.vmap_method), case.stack)
@@ -98,6 +110,7 @@ def test_hessian_is_symmetric(case: Case, argpick: int) -> None:
 @settings(max_examples=EXAMPLES)
 @given(case=cases(min_len=0, max_len=1, max_order=1, outer_vmap=True))
 def test_vmap_methods_agree(case: Case) -> None:
+    note_reproduction()
     with jax.enable_x64(case.dtype == "float64"):
         args = tuple(jnp.asarray(a) for a in case.args)
         results = {m: jax.jit(apply_stack(torch_version(case.pair, m), case.stack))(*args) for m in VMAP_METHODS}
