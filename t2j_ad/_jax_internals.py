@@ -28,6 +28,11 @@ try:  # JAX >= 0.6: zero-copy CPU/GPU callback on mutable output buffers.
 except ImportError:  # pragma: no cover - older JAX; backends/callback.py copes.
     buffer_callback = None
 
+# JAX's internal LRU caches (abstract evaluation among them) key on primitive
+# parameters; types listed here are held weakly, so a dead TorchFn does not
+# stay alive (with its PyTorch function and registry entry) in those caches.
+from jax._src.util import weakref_cache_key_types
+
 float0 = jax.dtypes.float0
 
 __all__ = [
@@ -35,10 +40,16 @@ __all__ = [
     "ShapedArray",
     "buffer_callback",
     "float0",
+    "hold_weakly_in_jax_caches",
     "lower_fun",
     "make_primitive",
     "register_rules",
 ]
+
+
+def hold_weakly_in_jax_caches(cls: type) -> None:
+    """Let JAX's internal caches hold parameters of type ``cls`` weakly."""
+    weakref_cache_key_types.add(cls)
 
 
 def make_primitive(name: str) -> Primitive:

@@ -127,6 +127,8 @@ class JaxifiedFunction:
 
     def _raw_fn(self, in_tree: Any) -> Callable[..., Any]:
         torch_fn = self.torch_fn
+        if in_tree == jax.tree_util.tree_structure((tuple(range(in_tree.num_leaves)), {})):
+            return torch_fn  # positional leaves only: nothing to rebuild
 
         def raw(*tensors: torch.Tensor) -> Any:
             args, kwargs = jax.tree_util.tree_unflatten(in_tree, tensors)
@@ -138,8 +140,15 @@ class JaxifiedFunction:
         raw = self._raw_fn(in_tree)
         name = self.name
 
-        def flat(*tensors: torch.Tensor) -> tuple[Any, ...]:
-            out = raw(*tensors)
+        def check(out: Any) -> tuple[Any, ...]:
+            """The flat tuple of output tensors; an error naming a bad output."""
+            # Fast paths for the common output structures; anything unusual
+            # goes through the general check below.
+            if flat.single_tensor and isinstance(out, torch.Tensor):  # type: ignore[attr-defined]
+                return (out,)
+            if flat.flat_tuple and type(out) is tuple and len(out) == flat.flat_tuple:
+                if all(isinstance(o, torch.Tensor) for o in out):
+                    return out
             with_paths, tree = jax.tree_util.tree_flatten_with_path(out, is_leaf=_is_output_leaf)
             expected = flat.out_tree
             if expected is not None and tree != expected:
@@ -155,7 +164,16 @@ class JaxifiedFunction:
                     )
             return tuple(leaf for _, leaf in with_paths)
 
+        def flat(*tensors: torch.Tensor) -> tuple[Any, ...]:
+            return check(raw(*tensors))
+
+        # runtime._Runner calls raw and check itself for single-tensor outputs,
+        # saving a frame per call on the hot path.
+        flat.raw = raw
+        flat.check = check
         flat.out_tree = None
+        flat.single_tensor = False
+        flat.flat_tuple = 0
         return flat
 
     def _resolve(self, in_tree: Any, in_avals: tuple[Aval, ...]) -> _Signature:
@@ -196,6 +214,10 @@ class JaxifiedFunction:
                 _warn_64bit(self.name, f"output{path}", dtype, canonical)
             out_avals.append(Aval(shape, canonical))
         flat.out_tree = out_tree
+        flat.single_tensor = out_tree == jax.tree_util.tree_structure(0)
+        n_out = out_tree.num_leaves
+        if n_out and out_tree == jax.tree_util.tree_structure(tuple(range(n_out))):
+            flat.flat_tuple = n_out
         base = BaseFn(
             flat,
             name=self.name,

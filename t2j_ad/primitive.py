@@ -7,13 +7,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import backends
-from ._jax_internals import ShapedArray, make_primitive, register_rules
+from ._jax_internals import ShapedArray, hold_weakly_in_jax_caches, make_primitive, register_rules
 from .rules.batching import torch_call_batch
 from .rules.jvp import torch_call_jvp
 from .rules.transpose import torch_call_transpose
 from .torch_fn import TorchFn
 
 torch_call_p = make_primitive("torch_call")
+hold_weakly_in_jax_caches(TorchFn)
 
 
 def torch_call(args: Sequence[Any], fun: TorchFn) -> list[Any]:

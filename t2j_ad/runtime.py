@@ -51,7 +51,8 @@ def set_torch_threads(n: int) -> None:
     _threads = int(n)
 
 
-def _check_outputs(fun: TorchFn, results: object) -> tuple[torch.Tensor, ...]:
+def _check_outputs(fun: TorchFn, results: object) -> None:
+    """Raise an error naming the first output that does not match ``fun``."""
     names = fun.base.out_names if not fun.transforms else tuple(f"output {i}" for i in range(len(fun.out_avals)))
     if not isinstance(results, tuple) or len(results) != len(fun.out_avals):
         raise TorchCallError(
@@ -68,19 +69,113 @@ def _check_outputs(fun: TorchFn, results: object) -> tuple[torch.Tensor, ...]:
                 f"{aval.shape} was declared (output_shapes or the inferred shape)."
             )
     if not fun.transforms:
-        for name, r, aval, declared in zip(names, results, fun.out_avals, fun.base.torch_out_dtypes):
+        for name, r, declared in zip(names, results, fun.base.torch_out_dtypes):
             if r.dtype != declared:
                 raise TorchCallError(
                     f"{fun.name}: output {name} has dtype {jax_dtype(r.dtype)}, "
                     f"but {jax_dtype(declared)} was declared (output_shapes or the inferred dtype)."
                 )
-    return results
 
 
 def _stream_context(stream: int | None):
     if stream:
         return torch.cuda.stream(torch.cuda.ExternalStream(stream))
     return contextlib.nullcontext()
+
+
+class _Runner:
+    """Everything ``run_into`` needs for one TorchFn, computed once.
+
+    Cached on the TorchFn object: the FFI registry and the callback closure
+    hand back the same object on every call, so the hot path is one
+    attribute lookup, one PyTorch call, cheap checks and the copies.
+    """
+
+    def __init__(self, fun: TorchFn):
+        self.fun = fun
+        self.impl = build(fun)
+        # No graph for a plain call. A transformed one runs with grad mode on:
+        # torch.func.jvp over torch.func.vjp under no_grad silently drops the
+        # tangents of tensors the vjp saved (jvp-of-vjp of linalg.solve came
+        # out half its value), so Hessians were wrong.
+        self.grad_enabled = bool(fun.transforms)
+        self.n_out = len(fun.out_avals)
+        self.shapes = tuple(torch.Size(a.shape) for a in fun.out_avals)
+        # Plain calls must return exactly the declared dtypes; derived ones
+        # are cast on copy (see NOTE [64-bit outputs] in api.py).
+        self.dtypes = None if fun.transforms else fun.base.torch_out_dtypes
+        # For a plain call with one tensor output, call the user's function
+        # directly (see api.JaxifiedFunction._flat_fn) and check its output.
+        flat = fun.base.fn
+        single = not fun.transforms and getattr(flat, "single_tensor", False)
+        self.raw = flat.raw if single else None
+        self.check = flat.check if single else None
+
+    def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int | None) -> None:
+        # The hot path of every call: keep it to a few C calls per tensor.
+        fun = self.fun
+        n = _threads if _threads is not None else torch_threads()
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        base = fun.base
+        if not base.mutation_checked:
+            # Until one run shows the function leaves its inputs alone, hand
+            # it copies, so a mutating function cannot change the caller's arrays.
+            inputs = [t.clone() for t in inputs]
+        versions = [t._version for t in inputs]
+        previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(self.grad_enabled)
+        try:
+            with _stream_context(stream) if stream else _NO_CONTEXT:
+                if self.raw is not None:
+                    out = self.raw(*inputs)
+                    results = (out,) if isinstance(out, torch.Tensor) else self.check(out)
+                else:
+                    results = self.impl(*inputs)
+        except TorchCallError:
+            raise
+        except Exception as err:
+            raise TorchCallError(
+                f"the PyTorch function {fun.name} raised {type(err).__name__}: {err}\n\n"
+                f"PyTorch traceback:\n{''.join(traceback.format_exception(err))}"
+            ) from err
+        finally:
+            torch._C._set_grad_enabled(previous)
+        if [t._version for t in inputs] != versions:
+            mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
+            raise InputMutationError(
+                f"the PyTorch function {fun.name} mutated input(s) {mutated} in place; "
+                f"t2j_ad functions must not write into their inputs (JAX arrays are "
+                f"immutable). Clone the input first (x = x.clone()) or use the "
+                f"out-of-place op."
+            )
+        base.mutation_checked = True
+        try:
+            matches = (
+                type(results) is tuple
+                and tuple([r.shape for r in results]) == self.shapes
+                and (self.dtypes is None or tuple([r.dtype for r in results]) == self.dtypes)
+            )
+        except AttributeError:  # a non-tensor result
+            matches = False
+        if not matches:
+            _check_outputs(fun, results)  # raises, naming the output
+        with _stream_context(stream) if stream else _NO_CONTEXT:
+            for out, r in zip(outputs, results):
+                out.copy_(r)
+
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def runner_for(fun: TorchFn) -> _Runner:
+    """The cached runner of ``fun`` (one per TorchFn object)."""
+    runner = fun.__dict__.get("_runner")
+    if runner is None:
+        runner = _Runner(fun)
+        # TorchFn is frozen; the runner is a cache, not part of its value.
+        object.__setattr__(fun, "_runner", runner)
+    return runner
 
 
 def run_into(
@@ -95,43 +190,4 @@ def run_into(
     (with PyTorch's message and traceback text) when PyTorch raises, when the
     results do not match ``fun.out_avals``, or when an input was mutated.
     """
-    n = torch_threads()
-    if torch.get_num_threads() != n:
-        torch.set_num_threads(n)
-
-    base = fun.base
-    if not base.mutation_checked:
-        # Until one run shows the function leaves its inputs alone, hand it
-        # copies, so a mutating function cannot change the caller's arrays.
-        inputs = [t.clone() for t in inputs]
-    versions = [t._version for t in inputs]
-    impl = build(fun)
-    # No graph for a plain call. A transformed one runs with grad mode on:
-    # torch.func.jvp over torch.func.vjp under no_grad silently drops the
-    # tangents of tensors the vjp saved (jvp-of-vjp of linalg.solve came out
-    # half its value), so Hessians were wrong.
-    grad_mode = torch.enable_grad() if fun.transforms else torch.no_grad()
-    try:
-        with grad_mode, _stream_context(stream):
-            results = impl(*inputs)
-    except TorchCallError:
-        raise
-    except Exception as err:
-        raise TorchCallError(
-            f"the PyTorch function {fun.name} raised {type(err).__name__}: {err}\n\n"
-            f"PyTorch traceback:\n{''.join(traceback.format_exception(err))}"
-        ) from err
-    mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
-    if mutated:
-        raise InputMutationError(
-            f"the PyTorch function {fun.name} mutated input(s) {mutated} in place; "
-            f"t2j_ad functions must not write into their inputs (JAX arrays are "
-            f"immutable). Clone the input first (x = x.clone()) or use the "
-            f"out-of-place op."
-        )
-    base.mutation_checked = True
-    results = _check_outputs(fun, results)
-    with _stream_context(stream):
-        for out, r in zip(outputs, results):
-            if out.numel():
-                out.copy_(r)
+    runner_for(fun)(inputs, outputs, stream)

@@ -228,7 +228,7 @@ plt.show()
 # * `"expand_dims"`: one call of `torch.vmap(...)`, with the unbatched
 #   parameters passed once;
 # * `"broadcast_all"`: one call of `torch.vmap(...)`, with the parameters first
-#   copied to the batch size.
+#   broadcast to the batch size (an expanded view, not a copy).
 #
 # We time the jitted per-example gradients for a batch of 256 with each, and
 # `torch.func.vmap(torch.func.grad(...))` run eagerly in PyTorch, taking the
@@ -273,8 +273,8 @@ plt.show()
 # `sequential` makes one PyTorch call per example, so it is slower by roughly
 # the batch size; the two `torch.vmap` methods make a single call and cost
 # about as much as `torch.func` itself (plus a small fixed overhead for
-# crossing from XLA into PyTorch). The check below holds with a wide margin on
-# any machine.
+# crossing from XLA into PyTorch). The measured speed-up on this machine:
 
 # %%
-assert timings["t2j_ad\nexpand_dims"] < timings["t2j_ad\nsequential"], timings
+speedup = timings["t2j_ad\nsequential"] / timings["t2j_ad\nexpand_dims"]
+print(f"expand_dims is {speedup:.0f}x faster than sequential at batch {len(x_batch)}")

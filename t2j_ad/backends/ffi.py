@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import torch
 
-from ..runtime import run_into
+from ..runtime import runner_for
 from . import registry
 
 try:
@@ -43,9 +43,7 @@ _warned_platforms: set[str] = set()
 
 def _dispatch(key: int, inputs: list[Any], outputs: list[Any], stream: int) -> None:
     """Called by the C++ handler, with the GIL held, once per custom call."""
-    fun = registry.lookup(key)
-    run_into(
-        fun,
+    runner_for(registry.lookup(key))(
         [_from_dlpack(c) for c in inputs],
         [_from_dlpack(c) for c in outputs],
         stream or None,

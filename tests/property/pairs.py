@@ -348,7 +348,11 @@ PAIRS: tuple[Pair, ...] = (
     # writes in place (torch 2.13: torch.func.grad(torch.func.hessian(norm))
     # raises "modified by an inplace operation ... MaskedFill").
     Pair("norms", _t_norms, _j_norms, (AWAY_FROM_ZERO,), _same(*VECTORS, n=1), max_order=2),
-    Pair("layer_norm", _t_layer_norm, _j_layer_norm, (SMALL,), _same((3,), (2, 3), n=1)),
+    # torch 2.13: derivatives *of* layer_norm's forward-mode (jvp) formula are
+    # wrong: torch.func.grad and jacfwd of torch.func.jacfwd(layer_norm)
+    # disagree with finite differences and with the same math written out,
+    # while reverse-over-reverse is right. Capped at first order.
+    Pair("layer_norm", _t_layer_norm, _j_layer_norm, (SMALL,), _same((3,), (2, 3), n=1), max_order=1),
     Pair("solve", _t_solve, _j_solve, (SMALL, REAL), (((3, 3), (3,)), ((2, 2), (2, 3)), ((1, 1), (1,)))),
     Pair("cholesky", _t_cholesky, _j_cholesky, (SMALL,), _same((3, 3), (2, 2), (1, 1), n=1)),
     # torch.func's third derivative of det is NaN (torch 2.13; plain autograd is right).

@@ -41,11 +41,8 @@ def run_both(case: Case):
         return ours, reference
 
 
-# Open: jit(jacfwd(grad(layer_norm))) at x = 0 (float32, vmap_method="auto")
-# differs from JAX by 0.15, after torch.vmap refuses layer_norm's double
-# backward and t2j_ad falls back to the sequential loop; unbatched and
-# without jit the same derivative matches. Under investigation.
-_OPEN = {"layer_norm": "auto vmap fallback for layer_norm's double backward gives wrong values under jit"}
+# Pairs with a known, open engine problem: name -> reason (none at present).
+_OPEN: dict[str, str] = {}
 
 
 def _param(pair: Pair):
