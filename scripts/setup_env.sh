@@ -13,6 +13,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
+# The build's cmake and ninja come from the venv (PyPI), not the system.
+export PATH="$(cd "$VENV/bin" && pwd):$PATH"
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check -c constraints.txt "$@"; }
 
 pip_install --upgrade pip
