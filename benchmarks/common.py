@@ -23,12 +23,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 @dataclass(frozen=True)
 class Timing:
-    """Median and spread of one contender's per-call time, in seconds."""
+    """Median, spread and best of one contender's per-call time, in seconds."""
 
     name: str
     median: float
     low: float
     high: float
+    best: float
     repeats: int
 
 
@@ -56,6 +57,10 @@ def time_calls(
     elsewhere on the machine hits every contender alike, which keeps the
     ratios honest on a shared machine. ``repeats_of`` lowers the number of
     rounds for slow contenders.
+
+    Each round starts one contender later than the last, so no contender
+    always runs right after the same other one (XLA's CPU worker threads, for
+    one, keep spinning for a moment after a JAX computation).
     """
     repeats_of = dict(repeats_of or {})
     for fn in contenders.values():
@@ -63,10 +68,13 @@ def time_calls(
             fn()
     number = {name: _calls_per_sample(fn, min_time) for name, fn in contenders.items()}
     samples: dict[str, list[float]] = {name: [] for name in contenders}
+    names = list(contenders)
     for round_ in range(repeats):
-        for name, fn in contenders.items():
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
             if round_ >= repeats_of.get(name, repeats):
                 continue
+            fn = contenders[name]
             start = time.perf_counter()
             for _ in range(number[name]):
                 fn()
@@ -75,7 +83,7 @@ def time_calls(
     for name, times in samples.items():
         times.sort()
         q = len(times) // 4  # interquartile range: the spread between runs
-        timings.append(Timing(name, statistics.median(times), times[q], times[-1 - q], len(times)))
+        timings.append(Timing(name, statistics.median(times), times[q], times[-1 - q], times[0], len(times)))
     return timings
 
 
@@ -88,16 +96,17 @@ def format_seconds(seconds: float) -> str:
 
 
 def markdown_table(timings: Sequence[Timing], reference: str) -> str:
-    """A table of medians (with interquartile range) and ratios to ``reference``."""
+    """A table of medians (with interquartile range and best sample) and the
+    ratio of each median to the median of ``reference``."""
     ref = next(t for t in timings if t.name == reference).median
     lines = [
-        f"| contender | median | IQR | ratio to {reference} |",
-        "|---|---:|---:|---:|",
+        f"| contender | median | IQR | best | median / median of {reference} |",
+        "|---|---:|---:|---:|---:|",
     ]
     for t in timings:
         lines.append(
             f"| {t.name} | {format_seconds(t.median)} | "
-            f"{format_seconds(t.low)} – {format_seconds(t.high)} | {t.median / ref:.2f}x |"
+            f"{format_seconds(t.low)} – {format_seconds(t.high)} | {format_seconds(t.best)} | {t.median / ref:.2f}x |"
         )
     return "\n".join(lines)
 
