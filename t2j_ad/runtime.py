@@ -112,12 +112,20 @@ class _Runner:
         self.check = flat.check if single else None
 
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int | None) -> None:
-        # The hot path of every call: keep it to a few C calls per tensor.
-        fun = self.fun
+        if stream:
+            # PyTorch must run on XLA's stream, for the call and the copies.
+            with _stream_context(stream):
+                self._run(inputs, outputs)
+        else:
+            self._run(inputs, outputs)
+
+    def _run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        # The hot path of every call (microseconds matter: see
+        # benchmarks/bench_call_latency.py): a few C calls per tensor.
         n = _threads if _threads is not None else torch_threads()
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
-        base = fun.base
+        base = self.fun.base
         if not base.mutation_checked:
             # Until one run shows the function leaves its inputs alone, hand
             # it copies, so a mutating function cannot change the caller's arrays.
@@ -126,46 +134,43 @@ class _Runner:
         previous = torch.is_grad_enabled()
         torch._C._set_grad_enabled(self.grad_enabled)
         try:
-            with _stream_context(stream) if stream else _NO_CONTEXT:
-                if self.raw is not None:
-                    out = self.raw(*inputs)
-                    results = (out,) if isinstance(out, torch.Tensor) else self.check(out)
-                else:
-                    results = self.impl(*inputs)
+            if self.raw is not None:
+                out = self.raw(*inputs)
+                results = (out,) if isinstance(out, torch.Tensor) else self.check(out)
+            else:
+                results = self.impl(*inputs)
         except TorchCallError:
             raise
         except Exception as err:
             raise TorchCallError(
-                f"the PyTorch function {fun.name} raised {type(err).__name__}: {err}\n\n"
+                f"the PyTorch function {self.fun.name} raised {type(err).__name__}: {err}\n\n"
                 f"PyTorch traceback:\n{''.join(traceback.format_exception(err))}"
             ) from err
         finally:
             torch._C._set_grad_enabled(previous)
         if [t._version for t in inputs] != versions:
-            mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
-            raise InputMutationError(
-                f"the PyTorch function {fun.name} mutated input(s) {mutated} in place; "
-                f"t2j_ad functions must not write into their inputs (JAX arrays are "
-                f"immutable). Clone the input first (x = x.clone()) or use the "
-                f"out-of-place op."
-            )
+            self._refuse_mutation(inputs, versions)
         base.mutation_checked = True
-        try:
-            matches = (
-                type(results) is tuple
-                and tuple([r.shape for r in results]) == self.shapes
-                and (self.dtypes is None or tuple([r.dtype for r in results]) == self.dtypes)
-            )
-        except AttributeError:  # a non-tensor result
-            matches = False
-        if not matches:
-            _check_outputs(fun, results)  # raises, naming the output
-        with _stream_context(stream) if stream else _NO_CONTEXT:
-            for out, r in zip(outputs, results):
-                out.copy_(r)
+        if type(results) is not tuple or len(results) != self.n_out:
+            _check_outputs(self.fun, results)  # raises, naming the problem
+        dtypes = self.dtypes
+        for i, (out, r) in enumerate(zip(outputs, results)):
+            if (
+                not isinstance(r, torch.Tensor)
+                or r.shape != self.shapes[i]
+                or (dtypes is not None and r.dtype != dtypes[i])
+            ):
+                _check_outputs(self.fun, results)  # raises, naming the output
+            out.copy_(r)
 
-
-_NO_CONTEXT = contextlib.nullcontext()
+    def _refuse_mutation(self, inputs: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
+        mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
+        raise InputMutationError(
+            f"the PyTorch function {self.fun.name} mutated input(s) {mutated} in place; "
+            f"t2j_ad functions must not write into their inputs (JAX arrays are "
+            f"immutable). Clone the input first (x = x.clone()) or use the "
+            f"out-of-place op."
+        )
 
 
 def runner_for(fun: TorchFn) -> _Runner:

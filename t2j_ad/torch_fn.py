@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Union
 
 import numpy as np
@@ -199,7 +199,3 @@ def build(fun: TorchFn) -> Callable[..., tuple[Any, ...]]:
                 base.built[prefix] = cached
         g = cached
     return g
-
-
-def in_avals_match(avals: Sequence[Aval], shapes: Sequence[tuple[int, ...]]) -> bool:
-    return len(avals) == len(shapes) and all(a.shape == tuple(s) for a, s in zip(avals, shapes))

@@ -67,8 +67,10 @@ def _make_vjp(t: Vjp, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], ba
 
         def matched(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # With x64 off, a float64 PyTorch output meets a float32 cotangent;
-            # differentiating the cast makes the dtypes agree exactly.
-            return tuple(o.to(c.dtype) for o, c in zip(restricted(*values), cotangents))
+            # differentiating the cast makes the dtypes agree exactly. (Only
+            # where they differ: every op costs dispatch under torch.func.)
+            outs = restricted(*values)
+            return tuple(o if o.dtype == c.dtype else o.to(c.dtype) for o, c in zip(outs, cotangents))
 
         grads = reverse_mode(matched, wrt_primals, cotangents, base=base, key=prefix)
         return _conj_where(grads, wrt_avals)

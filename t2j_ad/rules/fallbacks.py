@@ -172,13 +172,19 @@ def forward_mode(
             if not _refused(err, _FORWARD_REFUSALS):
                 raise
             decided[("jvp", key)] = "double_vjp"
+            if "jvp function" in str(err):
+                advice = " Define a jvp staticmethod on the autograd.Function to avoid it."
+            elif "ZeroTensors" in str(err):
+                advice = " (A PyTorch forward-mode formula failed; reverse mode has no such formula.)"
+            else:
+                advice = ""
             warn_once(
                 base,
                 "jvp",
                 f"t2j_ad: forward mode of {base.name!r} falls back to the "
                 f"double-vjp trick because torch.func.jvp refused it "
                 f"({_first_line(err)}). Results are exact; it costs two "
-                f"reverse passes. Define a jvp staticmethod to avoid it.",
+                f"reverse passes.{advice}",
             )
     return double_vjp_jvp(fn, primals, tangents, base=base, key=key)
 
