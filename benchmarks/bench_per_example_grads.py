@@ -17,14 +17,13 @@ than sequential.
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from common import markdown_table, print_report, set_threads, time_calls  # noqa: E402
+from common import thread_args, markdown_table, print_report, set_threads, time_calls  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -93,10 +92,7 @@ def contenders():
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="PyTorch thread counts to measure")
-    parser.add_argument("--repeats", type=int, default=15)
-    args = parser.parse_args()
+    args = thread_args(__doc__)
 
     sections = []
     for n in args.threads:

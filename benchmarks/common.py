@@ -144,3 +144,13 @@ def print_report(title: str, command: str, sections: Sequence[tuple[str, str]]) 
     print(environment() + "\n")
     for heading, body in sections:
         print(f"{heading}\n\n{body}\n")
+
+
+def thread_args(doc: str):
+    """The ``--threads`` / ``--repeats`` command line every benchmark takes."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="PyTorch thread counts to measure")
+    parser.add_argument("--repeats", type=int, default=15)
+    return parser.parse_args()

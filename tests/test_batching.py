@@ -489,14 +489,8 @@ def test_unbatched_call_inside_vmap_and_jacfwd(mode):
 # ------------------------------------------------- custom autograd.Function
 
 
-class ExpWithVmapRule(torch.autograd.Function):
-    """exp with a hand-written vmap staticmethod that counts its calls."""
-
-    vmap_calls: list[tuple[int | None, ...]] = []
-
-    @staticmethod
-    def forward(x):
-        return x.exp()
+class _ExpDerivatives(torch.autograd.Function):
+    """exp's derivative rules, shared by the two exp Functions below."""
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -512,6 +506,16 @@ class ExpWithVmapRule(torch.autograd.Function):
     def jvp(ctx, t):
         (y,) = ctx.saved_tensors
         return t * y
+
+
+class ExpWithVmapRule(_ExpDerivatives):
+    """exp with a hand-written vmap staticmethod that counts its calls."""
+
+    vmap_calls: list[tuple[int | None, ...]] = []
+
+    @staticmethod
+    def forward(x):
+        return x.exp()
 
     @staticmethod
     def vmap(info, in_dims, x):
@@ -546,7 +550,7 @@ class ScaleNeedsAllBatched(torch.autograd.Function):
         return ScaleNeedsAllBatched.apply(x, s.reshape(s.shape + (1,) * (x.dim() - s.dim()))), 0
 
 
-class ExpGenerated(torch.autograd.Function):
+class ExpGenerated(_ExpDerivatives):
     """exp whose vmap rule PyTorch generates from forward."""
 
     generate_vmap_rule = True
@@ -557,21 +561,6 @@ class ExpGenerated(torch.autograd.Function):
         if x.device.type != "meta":
             ExpGenerated.forward_calls.append((is_batched(x), tuple(x.shape)))
         return x.exp()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(output)
-        ctx.save_for_forward(output)
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * y
-
-    @staticmethod
-    def jvp(ctx, t):
-        (y,) = ctx.saved_tensors
-        return t * y
 
 
 @pytest.mark.parametrize("mode", MODES)
