@@ -92,7 +92,7 @@ def small(repeats: int) -> str:
     raw = handler_only(x)
     pure = jax.jit(
         lambda x: jax.pure_callback(
-            lambda a: sin2(torch.from_numpy(np.asarray(a))).numpy(),
+            lambda a: sin2(torch.from_numpy(np.array(a))).numpy(),
             jax.ShapeDtypeStruct(x.shape, x.dtype),
             x,
         )
