@@ -322,7 +322,10 @@ def test_clear_caches_empties_the_registry(ffi_backend):
     np.testing.assert_allclose(jax.jit(f)(x), jnp.sin(x) * 2, rtol=1e-6)
 
 
-@pytest.mark.skipif(os.environ.get("T2J_AD_SLOW") != "1", reason="slow: set T2J_AD_SLOW=1")
+@pytest.mark.skipif(
+    os.environ.get("T2J_AD_SLOW") != "1",
+    reason="slow (100,000 calls, minutes): set T2J_AD_SLOW=1; benchmarks/bench_registry_memory.py measures the same",
+)
 def test_memory_flat_over_many_fresh_wrappers(ffi_backend):
     import resource
 
