@@ -192,7 +192,7 @@ class JaxifiedFunction:
             mutation_checked = False
         else:
             inferred = infer_outputs(self._raw_fn(in_tree), in_avals, self.name)
-            with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred.outputs, is_leaf=_is_output_leaf)
+            with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred, is_leaf=_is_output_leaf)
             declared = []
             for path, leaf in with_paths:
                 where = f"output{jax.tree_util.keystr(path)}"

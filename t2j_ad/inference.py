@@ -17,12 +17,6 @@ from .runtime import InputMutationError, TorchCallError
 from .torch_fn import Aval
 
 
-class InferenceResult:
-    def __init__(self, outputs: Any, device: str):
-        self.outputs = outputs
-        self.device = device
-
-
 def _run(fn: Callable[..., Any], avals: Sequence[Aval], device: str, name: str) -> Any:
     make = torch.empty if device == "meta" else torch.zeros
     inputs = [make(a.shape, dtype=torch_dtype(a.dtype), device=device) for a in avals]
@@ -40,16 +34,16 @@ def _run(fn: Callable[..., Any], avals: Sequence[Aval], device: str, name: str) 
     return outputs
 
 
-def infer_outputs(fn: Callable[..., Any], avals: Sequence[Aval], name: str) -> InferenceResult:
+def infer_outputs(fn: Callable[..., Any], avals: Sequence[Aval], name: str) -> Any:
     """Run ``fn`` on meta tensors, else once on zeros; return what it returned."""
     try:
-        return InferenceResult(_run(fn, avals, "meta", name), "meta")
+        return _run(fn, avals, "meta", name)
     except InputMutationError:
         raise
     except Exception:  # noqa: BLE001 - no meta kernel, or needs real data
         pass
     try:
-        return InferenceResult(_run(fn, avals, "cpu", name), "cpu")
+        return _run(fn, avals, "cpu", name)
     except InputMutationError:
         raise
     except Exception as err:
