@@ -140,8 +140,8 @@ class JaxifiedFunction:
         raw = self._raw_fn(in_tree)
         name = self.name
 
-        def check(out: Any) -> tuple[Any, ...]:
-            """The flat tuple of output tensors; an error naming a bad output."""
+        def flat(*tensors: torch.Tensor) -> tuple[Any, ...]:
+            out = raw(*tensors)
             # Fast paths for the common output structures; anything unusual
             # goes through the general check below.
             if flat.single_tensor and isinstance(out, torch.Tensor):  # type: ignore[attr-defined]
@@ -164,13 +164,6 @@ class JaxifiedFunction:
                     )
             return tuple(leaf for _, leaf in with_paths)
 
-        def flat(*tensors: torch.Tensor) -> tuple[Any, ...]:
-            return check(raw(*tensors))
-
-        # runtime._Runner calls raw and check itself for single-tensor outputs,
-        # saving a frame per call on the hot path.
-        flat.raw = raw
-        flat.check = check
         flat.out_tree = None
         flat.single_tensor = False
         flat.flat_tuple = 0

@@ -104,12 +104,6 @@ class _Runner:
         # Plain calls must return exactly the declared dtypes; derived ones
         # are cast on copy (see NOTE [64-bit outputs] in api.py).
         self.dtypes = None if fun.transforms else fun.base.torch_out_dtypes
-        # For a plain call with one tensor output, call the user's function
-        # directly (see api.JaxifiedFunction._flat_fn) and check its output.
-        flat = fun.base.fn
-        single = not fun.transforms and getattr(flat, "single_tensor", False)
-        self.raw = flat.raw if single else None
-        self.check = flat.check if single else None
 
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int | None) -> None:
         if stream:
@@ -134,11 +128,7 @@ class _Runner:
         previous = torch.is_grad_enabled()
         torch._C._set_grad_enabled(self.grad_enabled)
         try:
-            if self.raw is not None:
-                out = self.raw(*inputs)
-                results = (out,) if isinstance(out, torch.Tensor) else self.check(out)
-            else:
-                results = self.impl(*inputs)
+            results = self.impl(*inputs)
         except TorchCallError:
             raise
         except Exception as err:
