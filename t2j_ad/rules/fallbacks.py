@@ -30,7 +30,7 @@ one warning that names the function and PyTorch's reason.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -44,19 +44,20 @@ class FallbackWarning(UserWarning):
 # An inner level on the torch.autograd.grad path, run inside a torch.func
 # transform (see NOTE [fallbacks]).
 _INNER_AUTOGRAD = "inside of a function being transformed by a functorch transform"
-_FORWARD_REFUSALS = (
-    "You must implement the jvp function",
-    "must override the setup_context staticmethod",
-    _INNER_AUTOGRAD,
+# Forward-mode refusals -> the advice the fallback warning adds.
+_FORWARD_REFUSALS = {
+    "You must implement the jvp function": " Define a jvp staticmethod on the autograd.Function to avoid it.",
+    "must override the setup_context staticmethod": "",
+    _INNER_AUTOGRAD: "",
     # Some forward-mode formulas write into the efficient zero tangent of an
     # input that has none (torch 2.x: jacfwd(grad(mse_loss)) with the target
     # closed over); reverse mode has no such formula, so the trick works.
-    "ZeroTensors are immutable",
-)
+    "ZeroTensors are immutable": " (A PyTorch forward-mode formula failed; reverse mode has no such formula.)",
+}
 _FUNCTORCH_REFUSALS = ("must override the setup_context staticmethod", _INNER_AUTOGRAD)
 
 
-def _refused(err: BaseException, needles: Sequence[str]) -> bool:
+def _refused(err: BaseException, needles: Iterable[str]) -> bool:
     text = str(err)
     return isinstance(err, (RuntimeError, NotImplementedError)) and any(n in text for n in needles)
 
@@ -172,12 +173,7 @@ def forward_mode(
             if not _refused(err, _FORWARD_REFUSALS):
                 raise
             decided[("jvp", key)] = "double_vjp"
-            if "jvp function" in str(err):
-                advice = " Define a jvp staticmethod on the autograd.Function to avoid it."
-            elif "ZeroTensors" in str(err):
-                advice = " (A PyTorch forward-mode formula failed; reverse mode has no such formula.)"
-            else:
-                advice = ""
+            advice = next(a for needle, a in _FORWARD_REFUSALS.items() if needle in str(err))
             warn_once(
                 base,
                 "jvp",
