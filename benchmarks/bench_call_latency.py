@@ -5,9 +5,9 @@ Small input, ``torch.sin(x) * 2`` on an (8,) float32, jitted. Contenders:
 - ``floor``: the same PyTorch call made directly, plus a jitted JAX identity
   on the same input (the least any JAX-to-PyTorch call can cost);
 - ``t2j_ad ffi``: the jaxify'd function under ``jax.jit``, FFI backend;
-- ``ffi handler only``: the same custom call with a bare dispatcher (DLPack
-  capsules -> tensors -> ``torch.sin(x) * 2`` copied out), i.e. without
-  ``runtime.run_into``'s checks: the cost of the C++ path itself;
+- ``ffi handler only``: the same custom call with a bare runner (tensors in,
+  ``torch.sin(x) * 2`` copied out), i.e. without the runtime's thread, grad
+  mode, mutation and result checks: the cost of the C++ path itself;
 - ``t2j_ad callback``: the same, forced onto the Python callback backend;
 - ``jax.pure_callback``: a jitted ``jax.pure_callback`` doing the same work.
 
@@ -67,18 +67,15 @@ def jitted_on(backend: str, fn, x: jax.Array):
 
 
 def handler_only(x: jax.Array):
-    """The FFI custom call with a bare dispatcher for negative keys."""
-    from t2j_ad import _ffi_ext
-    from t2j_ad.backends import ffi
+    """The FFI custom call with a bare runner: ``torch.sin(x) * 2`` copied out.
 
-    from_dlpack = torch._C._from_dlpack
+    Registered under a negative key, which ``registry.register`` never
+    hands out, in the table the C++ handler reads (NOTE [registry lifetime]).
+    """
+    from t2j_ad.backends import ffi, registry
 
-    def routed(key, inputs, outputs, stream):
-        if key >= 0:
-            return ffi._dispatch(key, inputs, outputs, stream)
-        from_dlpack(outputs[0]).copy_(sin2(from_dlpack(inputs[0])))
-
-    _ffi_ext.set_dispatcher(routed)
+    assert ffi.available()
+    registry.runners[-1] = lambda inputs, outputs, stream: outputs[0].copy_(sin2(inputs[0]))
     call = jax.ffi.ffi_call(ffi.TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
     return jax.jit(lambda x: call(x, key=np.int64(-1)))
 

@@ -1,17 +1,22 @@
 // XLA FFI handlers for t2j_ad's `torch_call` custom call.
 //
 // Every input and output buffer is wrapped as a DLPack tensor that points at
-// XLA's memory (no copy), and one Python dispatcher registered with
-// `set_dispatcher` is called as
+// XLA's memory (no copy). Python installs, with `set_dispatcher`,
 //
-//     dispatcher(key: int, inputs: list[capsule], outputs: list[capsule],
-//                stream: int)
+//   * `wrap`: applied to each DLPack capsule (t2j_ad passes torch's
+//     `_from_dlpack`); without it the capsules themselves are handed on;
+//   * `runners`: a dict from key to a callable run as
+//         runner(inputs: list, outputs: list, stream: int);
+//   * `dispatcher`: run as dispatcher(key, inputs, outputs, stream) for a key
+//     that `runners` does not hold.
 //
-// The key is an opaque integer attribute of the custom call. It is only ever
-// handed to Python, which looks it up in its registry; nothing here turns it
-// into a pointer, so a stale or forged key is a Python KeyError, never a crash.
-// A Python exception comes back as an ffi::Error carrying the formatted
-// traceback; nothing is thrown across the FFI boundary.
+// The runner table is the hot path: one dict lookup here instead of Python
+// frames that look the key up (see NOTE [registry lifetime] in
+// t2j_ad/backends/registry.py). The key is an opaque integer attribute of
+// the custom call. It is only ever used to index Python's tables; nothing
+// here turns it into a pointer, so a stale or forged key is a Python
+// LookupError, never a crash. A Python exception comes back as an ffi::Error
+// carrying the formatted traceback; nothing is thrown across the FFI boundary.
 
 #include <Python.h>
 
@@ -68,8 +73,11 @@ constexpr const char* kCapsuleName = "dltensor";
 // Counts DLManagedTensors not yet freed, so tests can check nothing leaks.
 std::atomic<int64_t> g_live_tensors{0};
 
-// The Python dispatcher (a strong reference, guarded by the GIL).
+// What set_dispatcher installed (strong references, guarded by the GIL;
+// nullptr when unset).
 PyObject* g_dispatcher = nullptr;
+PyObject* g_runners = nullptr;  // a dict
+PyObject* g_wrap = nullptr;
 
 bool ToDLDataType(ffi::DataType t, DLDataType* out) {
   switch (t) {
@@ -198,10 +206,10 @@ ffi::ErrorOr<ffi::AnyBuffer> GetBuffer(const ffi::RemainingRets& rets,
   return **ret;
 }
 
-// A new list of capsules, one per buffer.
+// A new list with one entry per buffer: the capsule, or wrap(capsule).
 template <typename Buffers>
-ffi::ErrorOr<PyObject*> MakeCapsuleList(const Buffers& buffers, DLDevice device,
-                                        const char* role) {
+ffi::ErrorOr<PyObject*> MakeArgList(const Buffers& buffers, DLDevice device,
+                                    const char* role, PyObject* wrap) {
   size_t n = buffers.size();
   PyObject* list = PyList_New(static_cast<Py_ssize_t>(n));
   if (list == nullptr) {
@@ -217,9 +225,44 @@ ffi::ErrorOr<PyObject*> MakeCapsuleList(const Buffers& buffers, DLDevice device,
       Py_DECREF(list);
       return ffi::Unexpected(capsule.error());
     }
-    PyList_SET_ITEM(list, i, *capsule);  // steals the reference
+    PyObject* item = *capsule;
+    if (wrap != nullptr) {
+      item = PyObject_CallOneArg(wrap, *capsule);
+      Py_DECREF(*capsule);  // a consumer took ownership of the tensor
+      if (item == nullptr) {
+        Py_DECREF(list);
+        return ffi::Unexpected(ffi::Error::Internal(""));  // error is pending
+      }
+    }
+    PyList_SET_ITEM(list, i, item);  // steals the reference
   }
   return list;
+}
+
+// Calls the runner registered for `py_key`, or else the dispatcher. Returns
+// a new reference, or nullptr with a Python exception pending.
+PyObject* CallPython(PyObject* py_key, PyObject* inputs, PyObject* outputs,
+                     PyObject* py_stream, PyObject* dispatcher,
+                     PyObject* runners) {
+  // A borrowed reference; nullptr with no exception when the key is absent.
+  PyObject* runner =
+      runners != nullptr ? PyDict_GetItemWithError(runners, py_key) : nullptr;
+  if (runner != nullptr) {
+    Py_INCREF(runner);  // the runner may drop its own table entry
+    PyObject* argv[3] = {inputs, outputs, py_stream};
+    PyObject* result = PyObject_Vectorcall(runner, argv, 3, nullptr);
+    Py_DECREF(runner);
+    return result;
+  }
+  if (PyErr_Occurred()) return nullptr;
+  PyObject* argv[4] = {py_key, inputs, outputs, py_stream};
+  return PyObject_Vectorcall(dispatcher, argv, 4, nullptr);
+}
+
+// A failure of MakeArgList: a Python exception if `wrap` raised, else the
+// error it built.
+ffi::Error ArgListError(int64_t key, const ffi::Error& error) {
+  return PyErr_Occurred() ? TakePythonError(key) : error;
 }
 
 ffi::Error DispatchWithGil(int64_t key, const ffi::RemainingArgs& args,
@@ -230,30 +273,43 @@ ffi::Error DispatchWithGil(int64_t key, const ffi::RemainingArgs& args,
                       "t2j_ad: no Python dispatcher is registered; import "
                       "t2j_ad.backends.ffi before running the computation");
   }
-  auto inputs = MakeCapsuleList(args, device, "input");
-  if (!inputs.has_value()) return inputs.error();
-  auto outputs = MakeCapsuleList(rets, device, "output");
-  if (!outputs.has_value()) {
-    Py_DECREF(*inputs);
-    return outputs.error();
-  }
+  // Local references: the Python code run below may call set_dispatcher.
+  PyObject* dispatcher = g_dispatcher;
+  PyObject* runners = g_runners;
+  PyObject* wrap = g_wrap;
+  Py_INCREF(dispatcher);
+  Py_XINCREF(runners);
+  Py_XINCREF(wrap);
+  ffi::Error error = ffi::Error::Success();
   PyObject* py_key = PyLong_FromLongLong(key);
   PyObject* py_stream = PyLong_FromUnsignedLongLong(stream);
-  // A local reference: the dispatcher may replace itself while running.
-  PyObject* dispatcher = g_dispatcher;
-  Py_INCREF(dispatcher);
-  PyObject* argv[4] = {py_key, *inputs, *outputs, py_stream};
-  PyObject* result =
-      (py_key && py_stream) ? PyObject_Vectorcall(dispatcher, argv, 4, nullptr)
-                            : nullptr;
-  ffi::Error error =
-      result != nullptr ? ffi::Error::Success() : TakePythonError(key);
-  Py_XDECREF(result);
-  Py_DECREF(dispatcher);
+  PyObject* inputs = nullptr;
+  PyObject* outputs = nullptr;
+  if (py_key == nullptr || py_stream == nullptr) {
+    error = TakePythonError(key);
+  } else if (auto in = MakeArgList(args, device, "input", wrap);
+             !in.has_value()) {
+    error = ArgListError(key, in.error());
+  } else {
+    inputs = *in;
+    if (auto out = MakeArgList(rets, device, "output", wrap);
+        !out.has_value()) {
+      error = ArgListError(key, out.error());
+    } else {
+      outputs = *out;
+      PyObject* result =
+          CallPython(py_key, inputs, outputs, py_stream, dispatcher, runners);
+      if (result == nullptr) error = TakePythonError(key);
+      Py_XDECREF(result);
+    }
+  }
+  Py_XDECREF(inputs);
+  Py_XDECREF(outputs);
   Py_XDECREF(py_key);
   Py_XDECREF(py_stream);
-  Py_DECREF(*inputs);
-  Py_DECREF(*outputs);
+  Py_XDECREF(wrap);
+  Py_XDECREF(runners);
+  Py_DECREF(dispatcher);
   return error;
 }
 
@@ -321,16 +377,30 @@ PYBIND11_MODULE(_ffi_ext, m) {
 
   m.def(
       "set_dispatcher",
-      [](py::object fn) {
-        if (!fn.is_none() && !PyCallable_Check(fn.ptr())) {
-          throw py::type_error("set_dispatcher expects a callable or None");
+      [](py::object dispatcher, py::object runners, py::object wrap) {
+        if (!dispatcher.is_none() && !PyCallable_Check(dispatcher.ptr())) {
+          throw py::type_error("set_dispatcher: dispatcher must be a callable or None");
         }
-        PyObject* old = g_dispatcher;
-        g_dispatcher = fn.is_none() ? nullptr : fn.inc_ref().ptr();
-        Py_XDECREF(old);
+        if (!runners.is_none() && !PyDict_CheckExact(runners.ptr())) {
+          throw py::type_error("set_dispatcher: runners must be a dict or None");
+        }
+        if (!wrap.is_none() && !PyCallable_Check(wrap.ptr())) {
+          throw py::type_error("set_dispatcher: wrap must be a callable or None");
+        }
+        auto take = [](PyObject** slot, const py::object& value) {
+          PyObject* old = *slot;
+          *slot = value.is_none() ? nullptr : value.inc_ref().ptr();
+          Py_XDECREF(old);
+        };
+        take(&g_dispatcher, dispatcher);
+        take(&g_runners, runners);
+        take(&g_wrap, wrap);
       },
-      py::arg("dispatcher"),
-      "Set the callable run as dispatcher(key, inputs, outputs, stream).");
+      py::arg("dispatcher"), py::kw_only(), py::arg("runners") = py::none(),
+      py::arg("wrap") = py::none(),
+      "Install dispatcher(key, inputs, outputs, stream), the key -> "
+      "runner(inputs, outputs, stream) dict consulted first, and the callable "
+      "applied to each DLPack capsule (None: pass capsules).");
 
   m.def(
       "live_tensors", [] { return g_live_tensors.load(); },
@@ -344,8 +414,10 @@ PYBIND11_MODULE(_ffi_ext, m) {
 
   // Drop the dispatcher before the interpreter tears modules down.
   py::module_::import("atexit").attr("register")(py::cpp_function([] {
-    PyObject* old = g_dispatcher;
-    g_dispatcher = nullptr;
-    Py_XDECREF(old);
+    for (PyObject** slot : {&g_dispatcher, &g_runners, &g_wrap}) {
+      PyObject* old = *slot;
+      *slot = nullptr;
+      Py_XDECREF(old);
+    }
   }));
 }

@@ -211,6 +211,8 @@ class JaxifiedFunction:
         n_out = out_tree.num_leaves
         if n_out and out_tree == jax.tree_util.tree_structure(tuple(range(n_out))):
             flat.flat_tuple = n_out
+        raw = self._raw_fn(in_tree)
+        direct = raw if raw is self.torch_fn and (flat.single_tensor or flat.flat_tuple) else None
         base = BaseFn(
             flat,
             name=self.name,
@@ -221,6 +223,8 @@ class JaxifiedFunction:
             torch_out_dtypes=tuple(t for *_, t in declared),
             mutation_checked=mutation_checked,
             autograd_vjp=self.autograd_vjp,
+            direct=direct,
+            direct_single=flat.single_tensor,
         )
         return _Signature(base, out_tree)
 

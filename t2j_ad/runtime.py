@@ -7,7 +7,6 @@ XLA's input and output buffers as torch tensors without copying and call
 
 from __future__ import annotations
 
-import contextlib
 import os
 import traceback
 from collections.abc import Sequence
@@ -51,112 +50,142 @@ def set_torch_threads(n: int) -> None:
     _threads = int(n)
 
 
-def _check_outputs(fun: TorchFn, results: object) -> None:
-    """Raise an error naming the first output that does not match ``fun``."""
-    names = fun.base.out_names if not fun.transforms else tuple(f"output {i}" for i in range(len(fun.out_avals)))
-    if not isinstance(results, tuple) or len(results) != len(fun.out_avals):
-        raise TorchCallError(
-            f"{fun.name} returned {type(results).__name__} of "
-            f"{len(results) if isinstance(results, tuple) else '?'} outputs; "
-            f"expected {len(fun.out_avals)} (output structure changed between calls?)."
-        )
-    for name, r, aval in zip(names, results, fun.out_avals):
-        if not isinstance(r, torch.Tensor):
-            raise TorchCallError(f"{fun.name}: output {name} is a {type(r).__name__}, not a torch.Tensor.")
-        if tuple(r.shape) != aval.shape:
-            raise TorchCallError(
-                f"{fun.name}: output {name} has shape {tuple(r.shape)}, but "
-                f"{aval.shape} was declared (output_shapes or the inferred shape)."
-            )
-    if not fun.transforms:
-        for name, r, declared in zip(names, results, fun.base.torch_out_dtypes):
-            if r.dtype != declared:
-                raise TorchCallError(
-                    f"{fun.name}: output {name} has dtype {jax_dtype(r.dtype)}, "
-                    f"but {jax_dtype(declared)} was declared (output_shapes or the inferred dtype)."
-                )
+def _stream_context(stream: int):
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream))
 
 
-def _stream_context(stream: int | None):
-    if stream:
-        return torch.cuda.stream(torch.cuda.ExternalStream(stream))
-    return contextlib.nullcontext()
+# Looked up once: the runner's hot path calls these on every call.
+_Tensor = torch.Tensor
+_get_num_threads = torch.get_num_threads
+_is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 class _Runner:
-    """Everything ``run_into`` needs for one TorchFn, computed once.
+    """Everything a call of one TorchFn needs, computed once.
 
-    Cached on the TorchFn object: the FFI registry and the callback closure
-    hand back the same object on every call, so the hot path is one
-    attribute lookup, one PyTorch call, cheap checks and the copies.
+    Cached on the TorchFn object (``runner_for``); the FFI backend also keeps
+    it in a table the C++ handler calls directly (see NOTE [registry
+    lifetime] in backends/registry.py). It must therefore not refer to the
+    TorchFn itself, only to what it was built from, or that table would keep
+    every TorchFn alive.
     """
 
     def __init__(self, fun: TorchFn):
-        self.fun = fun
+        self.name = fun.name
+        self.base = fun.base
         self.impl = build(fun)
+        # A plain call of a function that takes the flat tensors positionally
+        # calls it directly, one frame fewer than ``impl`` (see BaseFn.direct).
+        self.direct = fun.base.direct if not fun.transforms else None
+        self.direct_single = self.direct is not None and fun.base.direct_single
         # No graph for a plain call. A transformed one runs with grad mode on:
         # torch.func.jvp over torch.func.vjp under no_grad silently drops the
         # tangents of tensors the vjp saved (jvp-of-vjp of linalg.solve came
         # out half its value), so Hessians were wrong.
         self.grad_enabled = bool(fun.transforms)
+        self.out_avals = fun.out_avals
+        self.out_names = (
+            fun.base.out_names if not fun.transforms else tuple(f"output {i}" for i in range(len(fun.out_avals)))
+        )
         self.n_out = len(fun.out_avals)
         self.shapes = tuple(torch.Size(a.shape) for a in fun.out_avals)
         # Plain calls must return exactly the declared dtypes; derived ones
-        # are cast on copy (see NOTE [64-bit outputs] in api.py).
-        self.dtypes = None if fun.transforms else fun.base.torch_out_dtypes
+        # are cast on copy (see NOTE [64-bit outputs] in api.py): None.
+        self.dtypes = (None,) * self.n_out if fun.transforms else fun.base.torch_out_dtypes
 
-    def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int | None) -> None:
-        if stream:
-            # PyTorch must run on XLA's stream, for the call and the copies.
-            with _stream_context(stream):
-                self._run(inputs, outputs)
-        else:
-            self._run(inputs, outputs)
-
-    def _run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
         # The hot path of every call (microseconds matter: see
-        # benchmarks/bench_call_latency.py): a few C calls per tensor.
-        n = _threads if _threads is not None else torch_threads()
-        if torch.get_num_threads() != n:
+        # benchmarks/bench_call_latency.py), so it is one flat frame of C
+        # calls; everything unusual branches off to a method.
+        if stream:
+            self._on_stream(inputs, outputs, stream)
+            return
+        n = _threads or torch_threads()
+        if _get_num_threads() != n:
             torch.set_num_threads(n)
-        base = self.fun.base
-        if not base.mutation_checked:
+        checked = self.base.mutation_checked
+        if not checked:
             # Until one run shows the function leaves its inputs alone, hand
             # it copies, so a mutating function cannot change the caller's arrays.
             inputs = [t.clone() for t in inputs]
-        versions = [t._version for t in inputs]
-        previous = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(self.grad_enabled)
+        previous = _is_grad_enabled()
+        _set_grad_enabled(self.grad_enabled)
         try:
-            results = self.impl(*inputs)
-        except TorchCallError:
-            raise
-        except Exception as err:
-            raise TorchCallError(
-                f"the PyTorch function {self.fun.name} raised {type(err).__name__}: {err}\n\n"
-                f"PyTorch traceback:\n{''.join(traceback.format_exception(err))}"
-            ) from err
+            try:
+                if self.direct is not None:
+                    results = self.direct(*inputs)  # one tensor if direct_single
+                else:
+                    results = self.impl(*inputs)
+            except TorchCallError:
+                raise
+            except Exception as err:
+                raise self._failure(err) from err
+            if self.grad_enabled:
+                # The copies below must not record a graph into the outputs.
+                _set_grad_enabled(False)
+            # Inputs arrive fresh (version 0; see run_into), so any in-place
+            # write shows as a nonzero version: no snapshot before the call.
+            for t in inputs:
+                if t._version:
+                    self._refuse_mutation(inputs)
+            if not checked:
+                self.base.mutation_checked = True
+            if self.direct_single:
+                if type(results) is not _Tensor or results.shape != self.shapes[0] or results.dtype is not self.dtypes[0]:
+                    self._check_outputs((results,))  # raises, unless a tensor subclass
+                outputs[0].copy_(results)
+                return
+            if type(results) is not tuple or len(results) != self.n_out:
+                self._check_outputs(results)  # raises, naming the problem
+            for out, r, shape, dtype in zip(outputs, results, self.shapes, self.dtypes):
+                if not isinstance(r, _Tensor) or r.shape != shape or (dtype is not None and r.dtype != dtype):
+                    self._check_outputs(results)  # raises, naming the output
+                out.copy_(r)
         finally:
-            torch._C._set_grad_enabled(previous)
-        if [t._version for t in inputs] != versions:
-            self._refuse_mutation(inputs, versions)
-        base.mutation_checked = True
-        if type(results) is not tuple or len(results) != self.n_out:
-            _check_outputs(self.fun, results)  # raises, naming the problem
-        dtypes = self.dtypes
-        for i, (out, r) in enumerate(zip(outputs, results)):
-            if (
-                not isinstance(r, torch.Tensor)
-                or r.shape != self.shapes[i]
-                or (dtypes is not None and r.dtype != dtypes[i])
-            ):
-                _check_outputs(self.fun, results)  # raises, naming the output
-            out.copy_(r)
+            _set_grad_enabled(previous)
 
-    def _refuse_mutation(self, inputs: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
-        mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
+    def _on_stream(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
+        # PyTorch must run on XLA's stream, for the call and the copies.
+        with _stream_context(stream):
+            self(inputs, outputs)
+
+    def _failure(self, err: Exception) -> TorchCallError:
+        return TorchCallError(
+            f"the PyTorch function {self.name} raised {type(err).__name__}: {err}\n\n"
+            f"PyTorch traceback:\n{''.join(traceback.format_exception(err))}"
+        )
+
+    def _check_outputs(self, results: object) -> None:
+        """Raise an error naming the first output that does not match."""
+        if not isinstance(results, tuple) or len(results) != self.n_out:
+            raise TorchCallError(
+                f"{self.name} returned {type(results).__name__} of "
+                f"{len(results) if isinstance(results, tuple) else '?'} outputs; "
+                f"expected {self.n_out} (output structure changed between calls?)."
+            )
+        for name, r, aval in zip(self.out_names, results, self.out_avals):
+            if not isinstance(r, torch.Tensor):
+                raise TorchCallError(
+                    f"{self.name}: {name} is {type(r).__name__} ({r!r:.60}), not a torch.Tensor; "
+                    f"return tensors only (torch.tensor(value) for numbers)."
+                )
+            if tuple(r.shape) != aval.shape:
+                raise TorchCallError(
+                    f"{self.name}: {name} has shape {tuple(r.shape)}, but "
+                    f"{aval.shape} was declared (output_shapes or the inferred shape)."
+                )
+        for name, r, declared in zip(self.out_names, results, self.dtypes):
+            if declared is not None and r.dtype != declared:
+                raise TorchCallError(
+                    f"{self.name}: {name} has dtype {jax_dtype(r.dtype)}, "
+                    f"but {jax_dtype(declared)} was declared (output_shapes or the inferred dtype)."
+                )
+
+    def _refuse_mutation(self, inputs: Sequence[torch.Tensor]) -> None:
+        mutated = [i for i, t in enumerate(inputs) if t._version]
         raise InputMutationError(
-            f"the PyTorch function {self.fun.name} mutated input(s) {mutated} in place; "
+            f"the PyTorch function {self.name} mutated input(s) {mutated} in place; "
             f"t2j_ad functions must not write into their inputs (JAX arrays are "
             f"immutable). Clone the input first (x = x.clone()) or use the "
             f"out-of-place op."
@@ -181,8 +210,10 @@ def run_into(
 ) -> None:
     """Run ``fun`` on ``inputs`` and copy its results into ``outputs``.
 
-    ``inputs`` and ``outputs`` view XLA's buffers. Raises ``TorchCallError``
+    ``inputs`` and ``outputs`` view XLA's buffers. The inputs must be fresh
+    tensors, as DLPack imports are: a nonzero ``_version`` after the call is
+    taken as an in-place write. Raises ``TorchCallError``
     (with PyTorch's message and traceback text) when PyTorch raises, when the
     results do not match ``fun.out_avals``, or when an input was mutated.
     """
-    runner_for(fun)(inputs, outputs, stream)
+    runner_for(fun)(inputs, outputs, stream or 0)

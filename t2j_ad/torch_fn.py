@@ -110,8 +110,17 @@ class BaseFn:
         torch_out_dtypes: tuple[Any, ...],
         mutation_checked: bool,
         autograd_vjp: bool = False,
+        direct: Callable[..., Any] | None = None,
+        direct_single: bool = False,
     ):
         self.fn = fn
+        # The user's function itself, when it takes the flat tensors
+        # positionally and returns them flat: one tensor (``direct_single``)
+        # or a tuple of tensors. The runtime calls it directly for plain calls,
+        # skipping ``fn``'s frame (it checks the results itself); None when
+        # ``fn`` has to rebuild arguments or flatten results.
+        self.direct = direct
+        self.direct_single = direct_single
         self.name = name
         self.vmap_method = vmap_method
         self.in_avals = in_avals

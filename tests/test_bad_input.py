@@ -150,3 +150,16 @@ def test_bad_options_are_refused():
         t2j_ad.jaxify(3)
     with pytest.raises(TypeError, match=r"output_shapes\[0\] is a int"):
         t2j_ad.jaxify(lambda x: x, output_shapes=[3])(jnp.ones(2))
+
+
+def test_tensor_subclass_output_is_accepted_and_checked():
+    # The runtime's one-tensor fast path compares exact types; a subclass
+    # (here nn.Parameter) takes the general check, which accepts it.
+    f = t2j_ad.jaxify(lambda x: torch.nn.Parameter(torch.sin(x) * 2))
+    x = jnp.linspace(-1.0, 1.0, 5)
+    np.testing.assert_allclose(jax.jit(f)(x), jnp.sin(x) * 2, rtol=1e-6)
+    g = t2j_ad.jaxify(
+        lambda x: torch.nn.Parameter(x[:2]), output_shapes=jax.ShapeDtypeStruct((5,), jnp.float32)
+    )
+    with pytest.raises(RUNTIME_ERRORS, match=r"has shape \(2,\), but \(5,\) was declared"):
+        jax.block_until_ready(jax.jit(g)(x))

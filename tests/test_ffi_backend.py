@@ -30,13 +30,16 @@ for _platform, _capsule in ffi_ext.handlers().items():
 
 @pytest.fixture
 def dispatcher():
-    """Install a test dispatcher: ``dispatcher(fn)``; restores the real one."""
+    """Install a test dispatcher: ``dispatcher(fn)``; restores the real one.
+
+    The test dispatcher gets every call (no runner table) and the raw DLPack
+    capsules (no ``wrap``)."""
 
     def install(fn):
         ffi_ext.set_dispatcher(fn)
 
     yield install
-    ffi_ext.set_dispatcher(ffi._dispatch)
+    ffi.install_dispatcher()
 
 
 def call(target, key, out_shapes, *args):
@@ -187,6 +190,44 @@ def test_set_dispatcher_rejects_non_callables():
         ffi_ext.set_dispatcher(3)
 
 
+def test_runner_table_is_called_directly_with_wrapped_buffers(dispatcher):
+    calls = []
+
+    def runner(inputs, outputs, stream):
+        calls.append(("runner", type(inputs[0]), stream))
+        outputs[0].copy_(inputs[0] * 3)
+
+    def fallback(key, inputs, outputs, stream):
+        calls.append(("dispatcher", key))
+        outputs[0].copy_(inputs[0] - 1)
+
+    ffi_ext.set_dispatcher(fallback, runners={5: runner}, wrap=torch.from_dlpack)
+    x = jnp.arange(4.0)
+    out = jax.ShapeDtypeStruct((4,), jnp.float32)
+    np.testing.assert_array_equal(jax.jit(lambda x: call(TEST_TARGET, 5, out, x))(x), x * 3)
+    np.testing.assert_array_equal(jax.jit(lambda x: call(TEST_TARGET, 6, out, x))(x), x - 1)
+    assert calls == [("runner", torch.Tensor, 0), ("dispatcher", 6)]
+    assert ffi_ext.live_tensors() == 0
+
+
+def test_an_exception_in_wrap_is_an_error_not_a_crash(dispatcher):
+    def wrap(capsule):
+        raise ValueError("cannot wrap this buffer")
+
+    ffi_ext.set_dispatcher(lambda *args: None, runners={}, wrap=wrap)
+    with pytest.raises(Exception, match="ValueError: cannot wrap this buffer"):
+        jax.block_until_ready(call(TEST_TARGET, 1, jax.ShapeDtypeStruct((2,), jnp.float32), jnp.ones(2)))
+    assert ffi_ext.live_tensors() == 0
+
+
+def test_set_dispatcher_checks_runners_and_wrap():
+    with pytest.raises(TypeError, match="runners must be a dict"):
+        ffi_ext.set_dispatcher(ffi._dispatch, runners=[], wrap=None)
+    with pytest.raises(TypeError, match="wrap must be a callable"):
+        ffi_ext.set_dispatcher(ffi._dispatch, runners=None, wrap=3)
+    ffi.install_dispatcher()
+
+
 def test_unsupported_dtype_is_an_error():
     x = jnp.ones(4, dtype=jnp.float8_e4m3fn)
     with pytest.raises(Exception, match="no DLPack/PyTorch equivalent"):
@@ -295,7 +336,10 @@ def test_registry_releases_dropped_wrappers_without_clearing_jax(ffi_backend):
 
 def test_compiled_executable_keeps_its_entry_alive(ffi_backend):
     x = jnp.arange(4.0)
-    compiled = jax.jit(t2j_ad.jaxify(_sin2)).lower(x).compile()
+    lowered = jax.jit(t2j_ad.jaxify(_sin2)).lower(x)
+    (key,) = _keys_in(lowered)
+    compiled = lowered.compile()
+    del lowered
     gc.collect()
     size = registry.size()
     jax.clear_caches()
@@ -303,9 +347,12 @@ def test_compiled_executable_keeps_its_entry_alive(ffi_backend):
     # Only the executable refers to the function now, and it still runs.
     np.testing.assert_allclose(compiled(x), jnp.sin(x) * 2, rtol=1e-6)
     assert registry.size() == size
+    assert key in registry.runners  # the handler's hot path for this key
     del compiled
     gc.collect()
     assert registry.size() == size - 1
+    # The runner does not keep its TorchFn alive, and left with it.
+    assert key not in registry.runners
 
 
 def test_clear_caches_empties_the_registry(ffi_backend):

@@ -1,10 +1,11 @@
 """The FFI backend: ``torch_call`` lowered to our own XLA custom call.
 
 The handler (csrc/torch_call.cc, built into ``t2j_ad._ffi_ext``) wraps XLA's
-input and output buffers as DLPack capsules without copying and calls
-``_dispatch`` below with the call's integer key. The key names a TorchFn in
-``registry`` (see NOTE [registry lifetime] there); ``runtime.run_into`` runs
-it and copies the results into the output buffers.
+input and output buffers as torch tensors without copying (DLPack) and looks
+the call's integer key up in ``registry.runners``. It calls the runner found
+there, or ``_dispatch`` below for a key it has not seen, which finds the
+TorchFn in ``registry`` (see NOTE [registry lifetime] there). The runner
+(runtime.py) runs PyTorch and copies the results into the output buffers.
 """
 
 from __future__ import annotations
@@ -41,13 +42,24 @@ _registered: frozenset[str] | None = None  # jax platform names with a handler
 _warned_platforms: set[str] = set()
 
 
-def _dispatch(key: int, inputs: list[Any], outputs: list[Any], stream: int) -> None:
-    """Called by the C++ handler, with the GIL held, once per custom call."""
-    runner_for(registry.lookup(key))(
-        [_from_dlpack(c) for c in inputs],
-        [_from_dlpack(c) for c in outputs],
-        stream or None,
-    )
+def _dispatch(key: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor], stream: int) -> None:
+    """Called by the C++ handler, with the GIL held, for a key it has no runner for.
+
+    That is a key's first call (afterwards the handler finds the runner in
+    ``registry.runners`` and calls it directly) or a key that is not
+    registered (``registry.lookup`` raises, naming the fix).
+    """
+    fun = registry.lookup(key)
+    runner = runner_for(fun)
+    # ``fun`` is alive here, so its entry is too, and its weakref callback
+    # will remove this runner again.
+    registry.runners[key] = runner.__call__  # a bound method: the cheapest call from C
+    runner(inputs, outputs, stream)
+
+
+def install_dispatcher() -> None:
+    """Point the C++ handler at ``_dispatch`` and the registry's runner table."""
+    _ffi_ext.set_dispatcher(_dispatch, runners=registry.runners, wrap=_from_dlpack)
 
 
 def _register_targets() -> frozenset[str]:
@@ -58,7 +70,7 @@ def _register_targets() -> frozenset[str]:
             handlers = _ffi_ext.handlers()
             for platform, capsule in handlers.items():
                 jax.ffi.register_ffi_target(TARGET, capsule, platform=platform)
-            _ffi_ext.set_dispatcher(_dispatch)
+            install_dispatcher()
             _registered = frozenset(p for p, name in _PLATFORM_NAMES.items() if name in handlers)
         return _registered
 

@@ -19,6 +19,11 @@ into a pointer, so a stale key is an error, not a crash.
   wrapper, which can die first.) So an entry lives while some executable can
   call it or something else (a jaxpr, a jaxify'd function) holds the TorchFn,
   and is dropped by a weakref callback as soon as neither does.
+* The hot table. ``runners`` maps a key to its TorchFn's runner (see
+  runtime.py) once the key has been dispatched; the C++ handler looks the
+  key up there itself and calls the runner, skipping every Python frame of
+  the dispatcher. A runner does not refer to its TorchFn, so this table
+  keeps nothing alive: its entry goes when the TorchFn's weakref fires.
 * Keys are never reused, so even a dispatch after ``clear()`` can only fail
   with a clear error, never run the wrong function.
 
@@ -41,6 +46,9 @@ _key_of: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 # key -> weak reference to the canonical TorchFn. Plain dict: the dispatcher's
 # hot path is one dict lookup and one weakref call.
 _fun_of: dict[int, weakref.ref] = {}
+# key -> runner, filled by the dispatcher on a key's first call and read by
+# the C++ handler (backends/ffi.py hands it this very dict object).
+runners: dict[int, Any] = {}
 
 
 def _forget(key: int, ref: weakref.ref) -> None:
@@ -48,6 +56,7 @@ def _forget(key: int, ref: weakref.ref) -> None:
     # lock, so it must not take it. Only removes the entry it created.
     if _fun_of.get(key) is ref:
         del _fun_of[key]
+        runners.pop(key, None)
 
 
 def register(fun: Any) -> tuple[int, Any]:
@@ -98,3 +107,4 @@ def clear() -> None:
     with _lock:
         _fun_of.clear()
         _key_of.clear()
+        runners.clear()
