@@ -18,7 +18,7 @@ import torch
 from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, t2j, torch_dtype
 from .inference import infer_outputs
 from .primitive import torch_call
-from .runtime import TorchCallError
+from .runtime import TorchCallError, not_a_tensor
 from .torch_fn import VMAP_METHODS, Aval, BaseFn, TorchFn
 
 _live_functions: weakref.WeakSet = weakref.WeakSet()
@@ -136,8 +136,7 @@ class JaxifiedFunction:
 
         return raw
 
-    def _flat_fn(self, in_tree: Any) -> Callable[..., tuple[Any, ...]]:
-        raw = self._raw_fn(in_tree)
+    def _flat_fn(self, raw: Callable[..., Any]) -> Callable[..., tuple[Any, ...]]:
         name = self.name
 
         def flat(*tensors: torch.Tensor) -> tuple[Any, ...]:
@@ -157,11 +156,7 @@ class JaxifiedFunction:
                 )
             for path, leaf in with_paths:
                 if not isinstance(leaf, torch.Tensor):
-                    raise TorchCallError(
-                        f"{name}: output{jax.tree_util.keystr(path)} is "
-                        f"{type(leaf).__name__} ({leaf!r:.60}), not a torch.Tensor; "
-                        f"return tensors only (torch.tensor(value) for numbers)."
-                    )
+                    raise not_a_tensor(name, f"output{jax.tree_util.keystr(path)}", leaf)
             return tuple(leaf for _, leaf in with_paths)
 
         flat.out_tree = None
@@ -170,7 +165,8 @@ class JaxifiedFunction:
         return flat
 
     def _resolve(self, in_tree: Any, in_avals: tuple[Aval, ...]) -> _Signature:
-        flat = self._flat_fn(in_tree)
+        raw = self._raw_fn(in_tree)
+        flat = self._flat_fn(raw)
         if self.output_shapes is not None:
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(self.output_shapes)
             declared = []
@@ -184,16 +180,13 @@ class JaxifiedFunction:
                 declared.append((jax.tree_util.keystr(path), tuple(leaf.shape), dtype, torch_dtype(dtype)))
             mutation_checked = False
         else:
-            inferred = infer_outputs(self._raw_fn(in_tree), in_avals, self.name)
+            inferred = infer_outputs(raw, in_avals, self.name)
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred, is_leaf=_is_output_leaf)
             declared = []
             for path, leaf in with_paths:
                 where = f"output{jax.tree_util.keystr(path)}"
                 if not isinstance(leaf, torch.Tensor):
-                    raise TorchCallError(
-                        f"{self.name}: {where} is {type(leaf).__name__} ({leaf!r:.60}), "
-                        f"not a torch.Tensor; return tensors only (torch.tensor(value) for numbers)."
-                    )
+                    raise not_a_tensor(self.name, where, leaf)
                 try:
                     dtype = jax_dtype(leaf.dtype)
                 except UnsupportedDtypeError as err:
@@ -211,7 +204,8 @@ class JaxifiedFunction:
         n_out = out_tree.num_leaves
         if n_out and out_tree == jax.tree_util.tree_structure(tuple(range(n_out))):
             flat.flat_tuple = n_out
-        raw = self._raw_fn(in_tree)
+        # Positional leaves only and flat results: the runtime may call the
+        # user's function itself (BaseFn.direct).
         direct = raw if raw is self.torch_fn and (flat.single_tensor or flat.flat_tuple) else None
         base = BaseFn(
             flat,
@@ -224,7 +218,7 @@ class JaxifiedFunction:
             mutation_checked=mutation_checked,
             autograd_vjp=self.autograd_vjp,
             direct=direct,
-            direct_single=flat.single_tensor,
+            direct_single=direct is not None and flat.single_tensor,
         )
         return _Signature(base, out_tree)
 

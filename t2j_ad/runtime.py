@@ -50,6 +50,14 @@ def set_torch_threads(n: int) -> None:
     _threads = int(n)
 
 
+def not_a_tensor(fn_name: str, where: str, value: object) -> TorchCallError:
+    """The error for an output that is not a tensor; ``where`` names it."""
+    return TorchCallError(
+        f"{fn_name}: {where} is {type(value).__name__} ({value!r:.60}), not a torch.Tensor; "
+        f"return tensors only (torch.tensor(value) for numbers)."
+    )
+
+
 def _stream_context(stream: int):
     return torch.cuda.stream(torch.cuda.ExternalStream(stream))
 
@@ -166,10 +174,7 @@ class _Runner:
             )
         for name, r, aval in zip(self.out_names, results, self.out_avals):
             if not isinstance(r, torch.Tensor):
-                raise TorchCallError(
-                    f"{self.name}: {name} is {type(r).__name__} ({r!r:.60}), not a torch.Tensor; "
-                    f"return tensors only (torch.tensor(value) for numbers)."
-                )
+                raise not_a_tensor(self.name, name, r)
             if tuple(r.shape) != aval.shape:
                 raise TorchCallError(
                     f"{self.name}: {name} has shape {tuple(r.shape)}, but "
