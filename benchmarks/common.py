@@ -128,10 +128,11 @@ def environment() -> str:
     import torch
 
     from t2j_ad import backends
+    from t2j_ad.malloc_tuning import tune_malloc
 
     backend = backends.select().__name__.rsplit(".", 1)[-1]
     return (
-        f"t2j_ad backend `{backend}`, torch {torch.__version__}, jax {jax.__version__}, "
+        f"t2j_ad backend `{backend}`, glibc malloc `{tune_malloc()}`, torch {torch.__version__}, jax {jax.__version__}, "
         f"Python {sys.version.split()[0]}, {platform.machine()} with {os.cpu_count()} CPU(s), "
         f"JAX platform {jax.default_backend()}"
     )

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .convert import jax_dtype
+from .malloc_tuning import tune_malloc
 from .torch_fn import TorchFn, build
 
 
@@ -201,6 +202,8 @@ def runner_for(fun: TorchFn) -> _Runner:
     """The cached runner of ``fun`` (one per TorchFn object)."""
     runner = fun.__dict__.get("_runner")
     if runner is None:
+        # Process-wide and applied once; see NOTE [heap trimming].
+        tune_malloc()
         runner = _Runner(fun)
         # TorchFn is frozen; the runner is a cache, not part of its value.
         object.__setattr__(fun, "_runner", runner)
