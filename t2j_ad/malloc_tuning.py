@@ -7,12 +7,12 @@ does not: XLA's output buffer, and PyTorch's result, which is copied into it
 and freed. With glibc's starting thresholds, freeing both can leave more than
 the trim threshold free at the top of the heap; glibc then returns it to the
 OS (``brk`` down), and the next call takes it back (``brk`` up) and touches
-every page again: up to about 1,000 page faults per call, measured as a
-median of 1.9x the time of ``torch.func.vmap(grad)`` for
-``jit(vmap(grad))`` instead of 1.4x (benchmarks/bench_per_example_grads.py;
-BENCHMARKS.md). Whether it happens depends on the process's history: glibc raises
-its thresholds on its own the first time a large mmap'd block (up to 32 MiB)
-is freed, so a process that ever freed a 16 MiB array never saw it.
+every page again: up to about 1,000 page faults per call. With them,
+``jit(vmap(grad))`` took a median 1.9x the time of ``torch.func.vmap(grad)``;
+without, 1.4x (benchmarks/bench_per_example_grads.py; BENCHMARKS.md).
+Whether it happens depends on the process's history: glibc raises its
+thresholds on its own the first time a large mmap'd block (up to 32 MiB) is
+freed, so a process that ever freed a 16 MiB array never saw it.
 
 ``tune_malloc`` puts glibc straight into that state: the mmap threshold at
 glibc's own ceiling for it (32 MiB on 64-bit) and the trim threshold at twice
