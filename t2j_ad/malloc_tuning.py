@@ -70,8 +70,13 @@ def _user_configured() -> bool:
     return any(name in tunables for name in _USER_TUNABLES)
 
 
+def on_glibc() -> bool:
+    """Whether this process's malloc is glibc's, the one these settings tune."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
 def _mallopt() -> Callable[[int, int], int] | None:
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not on_glibc():
         return None
     fn = getattr(ctypes.CDLL(None), "mallopt", None)
     if fn is not None:

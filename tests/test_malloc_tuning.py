@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import platform
 import subprocess
 import sys
 import textwrap
@@ -18,8 +17,9 @@ import pytest
 
 from t2j_ad import malloc_tuning
 
-ON_GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-needs_glibc = pytest.mark.skipif(not ON_GLIBC, reason="the tuning applies to glibc's malloc only (Linux with glibc)")
+needs_glibc = pytest.mark.skipif(
+    not malloc_tuning.on_glibc(), reason="the tuning applies to glibc's malloc only (Linux with glibc)"
+)
 
 # Runs one jaxify'd call, then reports the outcome and what glibc does with a
 # 24 MiB block: above glibc's starting mmap threshold (128 KiB), below the
