@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from . import functorch_levels
 from .convert import torch_dtype
 from .rules.fallbacks import forward_mode, reverse_mode, vmap_auto
 from .torch_fn import Aval, Jvp, Transform, Vjp, Vmap
@@ -89,14 +90,14 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
 
     def expand_dims(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Unbatched arguments go in once with in_dims=None: never copied.
-        return tuple(torch.vmap(g, in_dims=in_dims, out_dims=0)(*args))
+        return functorch_levels.vmap(g, args, in_dims, size)
 
     def broadcast_all(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # expand() is a view, so "broadcast" costs no copy here either; the
         # function still sees every argument batched.
         full = [a.expand((size,) + tuple(a.shape)) if d is None else a for a, d in zip(args, in_dims)]
         dims = tuple(0 if d is None else d for d in in_dims)
-        return tuple(torch.vmap(g, in_dims=dims, out_dims=0)(*full))
+        return functorch_levels.vmap(g, full, dims, size)
 
     if t.method == "sequential":
         return sequential

@@ -4,8 +4,9 @@ Two independent counts of which inputs PyTorch is asked to differentiate:
 
 - statically, from the ``torch_call`` equations of ``jax.make_jaxpr``: the
   ``Jvp.wrt`` / ``Vjp.wrt`` (and ``.out``) of each call's transforms;
-- at run time, by wrapping ``torch.func.jvp`` / ``torch.func.vjp`` and
-  recording how many primals each call receives.
+- at run time, by wrapping ``torch.func.jvp`` and ``functorch_levels.vjp``
+  (t2j_ad's ``torch.func.vjp``; NOTE [functorch levels]) and recording how
+  many primals each call receives.
 
 Integer and bool inputs and outputs get ``float0`` tangents, as in JAX.
 """
@@ -21,6 +22,7 @@ import torch.func
 from conftest import assert_tree_allclose
 
 import t2j_ad
+from t2j_ad import functorch_levels
 from t2j_ad.torch_fn import Jvp, Vjp
 
 MODES = ("eager", "jit")
@@ -87,21 +89,22 @@ def derivative_steps(fn, *args) -> list:
 
 @pytest.fixture
 def torch_func_calls(monkeypatch):
-    """Records ``("jvp"|"vjp", number of primals)`` for every call PyTorch
-    gets of ``torch.func.jvp`` / ``torch.func.vjp``."""
+    """Records ``("jvp"|"vjp", number of primals, their shapes)`` for every
+    forward-mode (``torch.func.jvp``) and reverse-mode
+    (``functorch_levels.vjp``) call t2j_ad makes."""
     calls: list[tuple[str, int, tuple]] = []
-    real_jvp, real_vjp = torch.func.jvp, torch.func.vjp
+    real_jvp, real_vjp = torch.func.jvp, functorch_levels.vjp
 
     def jvp(fn, primals, tangents, *rest, **kw):
         calls.append(("jvp", len(primals), tuple(tuple(p.shape) for p in primals)))
         return real_jvp(fn, primals, tangents, *rest, **kw)
 
-    def vjp(fn, *primals, **kw):
+    def vjp(fn, primals, cotangents):
         calls.append(("vjp", len(primals), tuple(tuple(p.shape) for p in primals)))
-        return real_vjp(fn, *primals, **kw)
+        return real_vjp(fn, primals, cotangents)
 
     monkeypatch.setattr(torch.func, "jvp", jvp)
-    monkeypatch.setattr(torch.func, "vjp", vjp)
+    monkeypatch.setattr(functorch_levels, "vjp", vjp)
     return calls
 
 

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.func
 
+from .. import functorch_levels
+
 
 class FallbackWarning(UserWarning):
     """A PyTorch function runs on a slower path that still gives exact results."""
@@ -111,12 +113,11 @@ def reverse_mode(
     base: Any,
     key: Any,
 ) -> tuple[torch.Tensor, ...]:
-    """Cotangents of ``primals``: ``torch.func.vjp``, else ``autograd.grad``."""
+    """Cotangents of ``primals``: ``torch.func.vjp`` (NOTE [functorch levels]), else ``autograd.grad``."""
     decided = base.__dict__.setdefault("fallbacks", {})
     if not base.autograd_vjp and decided.get(("vjp", key)) != "autograd":
         try:
-            _, pullback = torch.func.vjp(fn, *primals)
-            return tuple(pullback(tuple(cotangents)))
+            return functorch_levels.vjp(fn, primals, cotangents)
         except (RuntimeError, NotImplementedError) as err:
             if not _refused(err, _FUNCTORCH_REFUSALS):
                 raise

@@ -1,0 +1,183 @@
+"""``torch.vmap`` and ``torch.func.vjp`` for flat tuples of tensors.
+
+NOTE [functorch levels]
+``torch.vmap`` and ``torch.func.vjp`` are Python wrappers around functorch's
+C++ interpreter stack: they flatten pytrees, validate ``in_dims``, wrap each
+tensor for the new level, call the function, unwrap, and flatten again. For a
+small function that glue is a large part of the call: under
+``vmap(vjp(loss))`` for the MLP of benchmarks/bench_per_example_grads.py it
+was about 150 of 650 microseconds, more than everything JAX adds around the
+call. Every function t2j_ad builds already takes and returns flat tuples of
+tensors whose batch dimensions JAX has checked, so ``vmap`` and ``vjp`` here
+enter the same C++ levels ``torch.func`` enters (``torch._C._functorch``) and
+skip the Python glue. PyTorch dispatches exactly the same operators, with the
+same batching and autograd rules; ``tests/test_functorch_levels.py`` holds the
+results against ``torch.func`` over the transforms that use them.
+
+What ``torch.func`` does around the levels, and kept here:
+
+- ``vjp``: grad mode on for the forward pass; differentiable inputs made
+  ``requires_grad`` at the new level (which functorch allows only inside
+  ``set_inplace_requires_grad_allowed``); saved-tensor hooks refused with
+  functorch's own message; outputs must be floating point or complex; outputs
+  that do not require grad get no cotangent, and inputs without a gradient get
+  zeros (``_autograd_grad``). The gradient is taken inside the level with
+  ``create_graph=True``, as ``torch.func.grad`` does, so outer levels
+  (``jvp`` for Hessians, an outer ``vjp``) can differentiate it.
+- ``vmap``: ``randomness="error"``, batch dimensions added to the batched
+  inputs only (unbatched ones are captured, never copied), and every output
+  given its batch dimension at 0 (an output that does not depend on the batch
+  is expanded, as ``torch.vmap`` does).
+
+``FAST`` is False when this PyTorch lacks one of the private functions used,
+under inference mode, and when ``T2J_AD_FUNCTORCH_FAST=0``; the public
+``torch.vmap`` / ``torch.func.vjp`` then run instead, with the same results.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.func
+
+Flat = Callable[..., tuple[torch.Tensor, ...]]
+
+
+def _switch() -> bool:
+    value = os.environ.get("T2J_AD_FUNCTORCH_FAST", "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(
+        f"T2J_AD_FUNCTORCH_FAST={value!r}: set it to 1 (enter functorch's levels directly, "
+        f"the default) or 0 (always use torch.vmap / torch.func.vjp)."
+    )
+
+
+try:  # The private API of torch 2.x; see NOTE [functorch levels].
+    from torch._C import _functorch as _levels
+    from torch._functorch.vmap import lazy_load_decompositions as _load_decompositions
+
+    _add_batch_dim = _levels._add_batch_dim
+    _remove_batch_dim = _levels._remove_batch_dim
+    _vmap_increment_nesting = _levels._vmap_increment_nesting
+    _vmap_decrement_nesting = _levels._vmap_decrement_nesting
+    _grad_increment_nesting = _levels._grad_increment_nesting
+    _grad_decrement_nesting = _levels._grad_decrement_nesting
+    _wrap_for_grad = _levels._wrap_for_grad
+    _unwrap_for_grad = _levels._unwrap_for_grad
+    _allow_requires_grad = _levels.set_inplace_requires_grad_allowed
+    _requires_grad_allowed = _levels.get_inplace_requires_grad_allowed
+    _hooks_message = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message
+    _hooks_disable = torch._C._autograd._saved_tensors_hooks_disable
+    _hooks_enable = torch._C._autograd._saved_tensors_hooks_enable
+    _AVAILABLE = True
+except (ImportError, AttributeError):
+    _AVAILABLE = False
+
+FAST: bool = _AVAILABLE and _switch()
+
+_inference_mode = torch.is_inference_mode_enabled
+_is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+_zeros_like = torch.zeros_like
+
+# torch.func's message, so a saved-tensor hook fails the same way on both paths.
+_HOOKS_REFUSED = (
+    "torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks. "
+    "Please open an issue with your use case."
+)
+_decompositions_loaded = False
+
+
+def _public_vmap(fn: Flat, args: Sequence[torch.Tensor], in_dims: tuple[int | None, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.vmap(fn, in_dims=in_dims, out_dims=0)(*args))
+
+
+def vmap(fn: Flat, args: Sequence[torch.Tensor], in_dims: tuple[int | None, ...], size: int) -> tuple[torch.Tensor, ...]:
+    """``torch.vmap(fn, in_dims, out_dims=0)(*args)``; ``size`` is the batch size.
+
+    ``in_dims`` are nonnegative, and at least one is not None.
+    """
+    if not FAST or _inference_mode():
+        return _public_vmap(fn, args, in_dims)
+    global _decompositions_loaded
+    if not _decompositions_loaded:
+        # torch.vmap registers Python decompositions (for ops without a C++
+        # batching rule) on its first call; do the same before ours.
+        _load_decompositions()
+        _decompositions_loaded = True
+    level = _vmap_increment_nesting(size, "error")
+    try:
+        batched = [a if d is None else _add_batch_dim(a, d, level) for a, d in zip(args, in_dims)]
+        outs = fn(*batched)
+        return tuple([_remove_batch_dim(o, level, size, 0) for o in outs])
+    finally:
+        _vmap_decrement_nesting()
+
+
+def _public_vjp(fn: Flat, primals: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    _, pullback = torch.func.vjp(fn, *primals)
+    return tuple(pullback(tuple(cotangents)))
+
+
+def _check_outputs(outs: Sequence[object]) -> None:
+    for o in outs:
+        if not isinstance(o, torch.Tensor):
+            raise RuntimeError(f"vjp(f, *primals): Expected f to return tensors, got {type(o).__name__}")
+        if not (o.is_floating_point() or o.is_complex()):
+            # torch.func.vjp's check and wording.
+            raise RuntimeError(
+                "vjp(f, ...): All outputs of f must be floating-point or complex Tensors, "
+                f"got Tensor with dtype {o.dtype}"
+            )
+
+
+def vjp(fn: Flat, primals: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The cotangents of ``primals``: ``torch.func.vjp(fn, *primals)[1](cotangents)``.
+
+    Runs with grad mode on, as t2j_ad's transformed calls do (see
+    runtime.py); the result can be differentiated again by outer levels.
+    """
+    if not FAST or _inference_mode():
+        return _public_vjp(fn, primals, cotangents)
+    previous_message = _hooks_message()
+    _hooks_disable(_HOOKS_REFUSED)
+    level = _grad_increment_nesting()
+    previous_grad = _is_grad_enabled()
+    try:
+        _set_grad_enabled(True)
+        inputs = [_wrap_for_grad(p, level) for p in primals]
+        allowed = _requires_grad_allowed()
+        _allow_requires_grad(True)
+        try:
+            for x in inputs:
+                x.requires_grad_()
+        finally:
+            _allow_requires_grad(allowed)
+        outs = fn(*inputs)
+        _check_outputs(outs)
+        pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
+        if pairs:
+            grads = torch.autograd.grad(
+                [o for o, _ in pairs],
+                inputs,
+                [c for _, c in pairs],
+                create_graph=True,
+                allow_unused=True,
+            )
+        else:
+            grads = (None,) * len(inputs)
+        return tuple(
+            [_zeros_like(p) if g is None else _unwrap_for_grad(g, level) for g, p in zip(grads, primals)]
+        )
+    finally:
+        _set_grad_enabled(previous_grad)
+        _grad_decrement_nesting()
+        if previous_message is None:
+            _hooks_enable()
+        else:
+            _hooks_disable(previous_message)
