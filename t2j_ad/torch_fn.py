@@ -6,7 +6,8 @@ parameter is a ``TorchFn``. The JVP, transpose and batching rules never run
 PyTorch themselves: they bind ``torch_call`` again with one more transform
 appended (``Jvp``, ``Vjp`` or ``Vmap``). At run time ``build`` turns the tuple
 into one PyTorch callable by applying ``torch.func.jvp``, ``torch.func.vjp``
-and ``torch.vmap`` in order. Because the derived function is again a
+and ``torch.vmap`` in order (the last two entered at functorch's C++ levels
+directly; NOTE [functorch levels]). Because the derived function is again a
 ``TorchFn``, the rules apply to it again, so derivatives and batches compose
 to any depth without a ``depth`` parameter.
 
