@@ -136,6 +136,27 @@ def _check_outputs(outs: Sequence[object]) -> None:
             )
 
 
+def autograd_grad(
+    outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad`` of ``outs`` with ``cotangents``, differentiable again.
+
+    Outputs that do not require grad get no cotangent (all of them: every
+    gradient is None), and None stands for an input without a gradient, as
+    in ``torch.func``'s ``_autograd_grad``; callers turn it into zeros.
+    """
+    pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
+    if not pairs:
+        return (None,) * len(inputs)
+    return torch.autograd.grad(
+        [o for o, _ in pairs],
+        inputs,
+        [c for _, c in pairs],
+        create_graph=True,
+        allow_unused=True,
+    )
+
+
 def vjp(fn: Flat, primals: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """The cotangents of ``primals``: ``torch.func.vjp(fn, *primals)[1](cotangents)``.
 
@@ -160,17 +181,7 @@ def vjp(fn: Flat, primals: Sequence[torch.Tensor], cotangents: Sequence[torch.Te
             _allow_requires_grad(allowed)
         outs = fn(*inputs)
         _check_outputs(outs)
-        pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
-        if pairs:
-            grads = torch.autograd.grad(
-                [o for o, _ in pairs],
-                inputs,
-                [c for _, c in pairs],
-                create_graph=True,
-                allow_unused=True,
-            )
-        else:
-            grads = (None,) * len(inputs)
+        grads = autograd_grad(outs, inputs, cotangents)
         return tuple(
             [_zeros_like(p) if g is None else _unwrap_for_grad(g, level) for g, p in zip(grads, primals)]
         )

@@ -91,17 +91,7 @@ def autograd_vjp(
         # tensor twice, so each input gets its own gradient; inputs that
         # already carry a graph (an outer fallback level) stay connected.
         xs = [p.view_as(p) if p.requires_grad else p.detach().requires_grad_(True) for p in primals]
-        outs = fn(*xs)
-        pairs = [(o, c) for o, c in zip(outs, cotangents) if o.requires_grad]
-        if not pairs:
-            return tuple(torch.zeros_like(p) for p in primals)
-        grads = torch.autograd.grad(
-            [o for o, _ in pairs],
-            xs,
-            [c for _, c in pairs],
-            allow_unused=True,
-            create_graph=True,
-        )
+        grads = functorch_levels.autograd_grad(fn(*xs), xs, cotangents)
     return tuple(torch.zeros_like(p) if g is None else g for g, p in zip(grads, primals))
 
 
