@@ -29,14 +29,18 @@ What ``torch.func`` does around the levels, and kept here:
   given its batch dimension at 0 (an output that does not depend on the batch
   is expanded, as ``torch.vmap`` does).
 
-``FAST`` is False when this PyTorch lacks one of the private functions used,
-under inference mode, and when ``T2J_AD_FUNCTORCH_FAST=0``; the public
-``torch.vmap`` / ``torch.func.vjp`` then run instead, with the same results.
+``FAST`` is False when this PyTorch lacks one of the private functions used
+or they fail a one-time check against ``torch.func`` at import (a tiny
+per-example gradient both ways; a PyTorch that changed them warns once), and
+when ``T2J_AD_FUNCTORCH_FAST=0``; the public ``torch.vmap`` /
+``torch.func.vjp`` then run instead, with the same results. Under inference
+mode, which ``torch.func`` handles specially, each call takes the public path.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -78,7 +82,7 @@ try:  # The private API of torch 2.x; see NOTE [functorch levels].
 except (ImportError, AttributeError):
     _AVAILABLE = False
 
-FAST: bool = _AVAILABLE and _switch()
+FAST: bool = False  # decided at the bottom of this module
 
 _inference_mode = torch.is_inference_mode_enabled
 _is_grad_enabled = torch.is_grad_enabled
@@ -192,3 +196,39 @@ def vjp(fn: Flat, primals: Sequence[torch.Tensor], cotangents: Sequence[torch.Te
             _hooks_enable()
         else:
             _hooks_disable(previous_message)
+
+
+def direct_path_works() -> bool:
+    """Whether the direct path computes a tiny per-example gradient as ``torch.func`` does."""
+    global FAST
+    saved, FAST = FAST, True
+    try:
+        w = torch.linspace(-1.0, 1.0, 3, dtype=torch.float64)
+        x = torch.linspace(0.0, 2.0, 6, dtype=torch.float64).reshape(2, 3)
+
+        def loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return torch.sin(x * w).sum()
+
+        def grad(w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return vjp(lambda w: (loss(w, x),), (w,), (torch.ones((), dtype=w.dtype),))
+
+        got = vmap(grad, (w, x), (None, 0), 2)[0]
+        expected = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(w, x)
+        return got.shape == expected.shape and bool(torch.allclose(got, expected))
+    except Exception:  # noqa: BLE001 - any failure means: do not use it
+        return False
+    finally:
+        FAST = saved
+
+
+if _AVAILABLE and _switch():
+    FAST = direct_path_works()
+    if not FAST:
+        warnings.warn(
+            f"t2j_ad: PyTorch {torch.__version__}'s private functorch functions did not "
+            f"compute a test gradient as torch.func does; t2j_ad uses the public "
+            f"torch.vmap / torch.func.vjp instead (same results, more time per call). "
+            f"Set T2J_AD_FUNCTORCH_FAST=0 to silence this.",
+            RuntimeWarning,
+            stacklevel=2,
+        )

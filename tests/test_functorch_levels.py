@@ -331,3 +331,15 @@ def test_bad_switch_value_names_the_variable():
     result = _fast_in_subprocess("sometimes")
     assert result.returncode != 0
     assert "T2J_AD_FUNCTORCH_FAST='sometimes'" in result.stderr and "set it to 1" in result.stderr
+
+
+def test_the_import_check_passes_here_and_catches_a_changed_private_api(monkeypatch):
+    assert levels.direct_path_works()
+
+    def changed(tensor, level, extra):  # as if PyTorch had changed the signature
+        raise AssertionError("not reached")
+
+    monkeypatch.setattr(levels, "_wrap_for_grad", changed)
+    assert not levels.direct_path_works()
+    assert levels.FAST  # the check leaves the switch as it found it
+    assert_clean_state()
