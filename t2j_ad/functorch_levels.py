@@ -39,25 +39,22 @@ mode, which ``torch.func`` handles specially, each call takes the public path.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.func
 
+from .env_switch import env_switch
+
 Flat = Callable[..., tuple[torch.Tensor, ...]]
 
 
 def _switch() -> bool:
-    value = os.environ.get("T2J_AD_FUNCTORCH_FAST", "1").strip().lower()
-    if value in ("1", "true", "yes", "on", ""):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(
-        f"T2J_AD_FUNCTORCH_FAST={value!r}: set it to 1 (enter functorch's levels directly, "
-        f"the default) or 0 (always use torch.vmap / torch.func.vjp)."
+    return env_switch(
+        "T2J_AD_FUNCTORCH_FAST",
+        on="enter functorch's levels directly",
+        off="always use torch.vmap / torch.func.vjp",
     )
 
 

@@ -34,6 +34,8 @@ import os
 import platform
 from collections.abc import Callable
 
+from .env_switch import env_switch
+
 ENV = "T2J_AD_TUNE_MALLOC"
 # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit, and its dynamic rule's trim
 # threshold for it (malloc.c: trim_threshold = 2 * mmap_threshold).
@@ -48,19 +50,11 @@ _M_MMAP_THRESHOLD = -3
 _USER_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 _USER_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold", "glibc.malloc.top_pad")
 
-_OFF = ("0", "false", "no", "off")
-_ON = ("", "1", "true", "yes", "on")
-
 _outcome: str | None = None
 
 
 def _enabled() -> bool:
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    raise ValueError(f"{ENV} must be 1 (tune glibc's malloc, the default) or 0 (leave it alone), got {value!r}.")
+    return env_switch(ENV, on="tune glibc's malloc", off="leave it alone")
 
 
 def _user_configured() -> bool:
