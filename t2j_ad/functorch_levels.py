@@ -91,7 +91,6 @@ _HOOKS_REFUSED = (
     "torch.func.{grad, vjp, jacrev, hessian} don't yet support saved tensor hooks. "
     "Please open an issue with your use case."
 )
-_decompositions_loaded = False
 
 
 def _public_vmap(fn: Flat, args: Sequence[torch.Tensor], in_dims: tuple[int | None, ...]) -> tuple[torch.Tensor, ...]:
@@ -103,14 +102,14 @@ def vmap(fn: Flat, args: Sequence[torch.Tensor], in_dims: tuple[int | None, ...]
 
     ``in_dims`` are nonnegative, and at least one is not None.
     """
-    if not FAST or _inference_mode():
-        return _public_vmap(fn, args, in_dims)
-    global _decompositions_loaded
-    if not _decompositions_loaded:
-        # torch.vmap registers Python decompositions (for ops without a C++
-        # batching rule) on its first call; do the same before ours.
-        _load_decompositions()
-        _decompositions_loaded = True
+    if FAST and not _inference_mode():
+        return _direct_vmap(fn, args, in_dims, size)
+    return _public_vmap(fn, args, in_dims)
+
+
+def _direct_vmap(
+    fn: Flat, args: Sequence[torch.Tensor], in_dims: tuple[int | None, ...], size: int
+) -> tuple[torch.Tensor, ...]:
     level = _vmap_increment_nesting(size, "error")
     try:
         batched = [a if d is None else _add_batch_dim(a, d, level) for a, d in zip(args, in_dims)]
@@ -164,8 +163,12 @@ def vjp(fn: Flat, primals: Sequence[torch.Tensor], cotangents: Sequence[torch.Te
     Runs with grad mode on, as t2j_ad's transformed calls do (see
     runtime.py); the result can be differentiated again by outer levels.
     """
-    if not FAST or _inference_mode():
-        return _public_vjp(fn, primals, cotangents)
+    if FAST and not _inference_mode():
+        return _direct_vjp(fn, primals, cotangents)
+    return _public_vjp(fn, primals, cotangents)
+
+
+def _direct_vjp(fn: Flat, primals: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     previous_message = _hooks_message()
     _hooks_disable(_HOOKS_REFUSED)
     level = _grad_increment_nesting()
@@ -197,8 +200,6 @@ def vjp(fn: Flat, primals: Sequence[torch.Tensor], cotangents: Sequence[torch.Te
 
 def direct_path_works() -> bool:
     """Whether the direct path computes a tiny per-example gradient as ``torch.func`` does."""
-    global FAST
-    saved, FAST = FAST, True
     try:
         w = torch.linspace(-1.0, 1.0, 3, dtype=torch.float64)
         x = torch.linspace(0.0, 2.0, 6, dtype=torch.float64).reshape(2, 3)
@@ -207,18 +208,19 @@ def direct_path_works() -> bool:
             return torch.sin(x * w).sum()
 
         def grad(w: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return vjp(lambda w: (loss(w, x),), (w,), (torch.ones((), dtype=w.dtype),))
+            return _direct_vjp(lambda w: (loss(w, x),), (w,), (torch.ones((), dtype=w.dtype),))
 
-        got = vmap(grad, (w, x), (None, 0), 2)[0]
+        got = _direct_vmap(grad, (w, x), (None, 0), 2)[0]
         expected = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(w, x)
         return got.shape == expected.shape and bool(torch.allclose(got, expected))
     except Exception:  # noqa: BLE001 - any failure means: do not use it
         return False
-    finally:
-        FAST = saved
 
 
 if _AVAILABLE and _switch():
+    # torch.vmap registers Python decompositions (batching rules of ops that
+    # have none in C++) on its first call, which the direct path never makes.
+    _load_decompositions()
     FAST = direct_path_works()
     if not FAST:
         warnings.warn(

@@ -151,8 +151,9 @@ VMAP_DECOMPOSITION_PROBE = textwrap.dedent(
     def grad(w, x, y):
         return levels.vjp(lambda w: (loss(w, x, y),), (w,), (torch.tensor(1.0),))
 
-    # The first vmap of the process: mse_loss_backward has only a Python
-    # decomposition as its batching rule, which torch.vmap loads lazily.
+    # The first vmap of the process (torch.vmap has not run):
+    # mse_loss_backward has only a Python decomposition as its batching rule,
+    # which torch.vmap loads lazily on its first call.
     got = levels.vmap(grad, (w, x, y), (None, 0, 0), 5)[0]
     expected = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(w, x, y)
     torch.testing.assert_close(got, expected)
