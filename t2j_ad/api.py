@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, t2j, torch_dtype
+from .graph_mode import resolve_compile_mode
 from .inference import infer_outputs
 from .primitive import torch_call
 from .runtime import TorchCallError, not_a_tensor
@@ -92,7 +93,13 @@ class JaxifiedFunction:
     """
 
     def __init__(
-        self, torch_fn: Callable[..., Any], vmap_method: str, output_shapes: Any, *, autograd_vjp: bool = False
+        self,
+        torch_fn: Callable[..., Any],
+        vmap_method: str,
+        output_shapes: Any,
+        *,
+        autograd_vjp: bool = False,
+        compile: str | None = None,
     ):
         if not callable(torch_fn):
             raise TypeError(f"jaxify: torch_fn must be callable, got {type(torch_fn).__name__}.")
@@ -100,6 +107,7 @@ class JaxifiedFunction:
             raise ValueError(f"jaxify: vmap_method must be one of {VMAP_METHODS}, got {vmap_method!r}.")
         self.torch_fn = torch_fn
         self.vmap_method = vmap_method
+        self.compile = resolve_compile_mode(compile, "jaxify")
         self.output_shapes = output_shapes
         self.autograd_vjp = autograd_vjp
         self.name = getattr(torch_fn, "__qualname__", None) or getattr(torch_fn, "__name__", None) or repr(torch_fn)
@@ -219,6 +227,7 @@ class JaxifiedFunction:
             autograd_vjp=self.autograd_vjp,
             direct=direct,
             direct_single=direct is not None and flat.single_tensor,
+            compile=self.compile,
         )
         return _Signature(base, out_tree)
 
@@ -253,6 +262,7 @@ def jaxify(
     *,
     vmap_method: str = "auto",
     output_shapes: Any = None,
+    compile: str | None = None,
 ) -> Any:
     """Wrap a PyTorch function as a JAX function.
 
@@ -262,10 +272,18 @@ def jaxify(
     ``jax.jit`` and every JAX transform. Output shapes are inferred per input
     signature (meta device, else one call on zeros) unless ``output_shapes``
     (a pytree of ``jax.ShapeDtypeStruct``) is given.
+
+    ``compile`` says how each derived PyTorch function (the function with its
+    transform stack: gradient, batch, ...) runs: ``"eager"`` op by op;
+    ``"graph"`` traced once into an aten graph (fake tensors) and replayed,
+    as a CUDA graph on GPUs; ``"inductor"`` that graph compiled by inductor.
+    Functions that cannot be traced run eagerly with one ``FallbackWarning``.
+    None (the default) takes ``T2J_AD_COMPILE`` from the environment, else
+    ``"eager"``.
     """
     if torch_fn is None:
-        return functools.partial(jaxify, vmap_method=vmap_method, output_shapes=output_shapes)
-    return JaxifiedFunction(torch_fn, vmap_method, output_shapes)
+        return functools.partial(jaxify, vmap_method=vmap_method, output_shapes=output_shapes, compile=compile)
+    return JaxifiedFunction(torch_fn, vmap_method, output_shapes, compile=compile)
 
 
 def _check_params(params: Any, expected: Mapping[str, jax.Array]) -> None:
@@ -295,14 +313,17 @@ def _check_params(params: Any, expected: Mapping[str, jax.Array]) -> None:
             raise TypeError(f"params[{k!r}] has shape {tuple(shape)}; the module's parameter has shape {tuple(ref.shape)}.")
 
 
-def jaxify_module(module: torch.nn.Module, *, vmap_method: str = "auto") -> tuple[Callable[..., Any], dict[str, jax.Array]]:
+def jaxify_module(
+    module: torch.nn.Module, *, vmap_method: str = "auto", compile: str | None = None
+) -> tuple[Callable[..., Any], dict[str, jax.Array]]:
     """``apply, params`` for a ``torch.nn.Module``.
 
     ``params`` maps each name of ``module.named_parameters()`` to a JAX array
     (a copy, so later in-place training of the module does not change it).
     ``apply(params, *args, **kwargs)`` runs the module through
     ``torch.func.functional_call``, with its buffers passed as constants, so JAX
-    can differentiate with respect to ``params``.
+    can differentiate with respect to ``params``. ``vmap_method`` and
+    ``compile`` mean what they mean for ``jaxify``.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"jaxify_module: module must be a torch.nn.Module, got {type(module).__name__}.")
@@ -313,7 +334,7 @@ def jaxify_module(module: torch.nn.Module, *, vmap_method: str = "auto") -> tupl
         return torch.func.functional_call(module, (params, buffers), args, kwargs)
 
     forward.__qualname__ = f"{type(module).__name__}.forward"
-    jaxified = JaxifiedFunction(forward, vmap_method, None)
+    jaxified = JaxifiedFunction(forward, vmap_method, None, compile=compile)
 
     def apply(params: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
         _check_params(params, reference)

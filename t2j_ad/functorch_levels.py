@@ -185,10 +185,7 @@ def _direct_vjp(fn: Flat, primals: Sequence[torch.Tensor], cotangents: Sequence[
             _allow_requires_grad(allowed)
         outs = fn(*inputs)
         _check_outputs(outs)
-        grads = autograd_grad(outs, inputs, cotangents)
-        return tuple(
-            [_zeros_like(p) if g is None else _unwrap_for_grad(g, level) for g, p in zip(grads, primals)]
-        )
+        grads = [None if g is None else _unwrap_for_grad(g, level) for g in autograd_grad(outs, inputs, cotangents)]
     finally:
         _set_grad_enabled(previous_grad)
         _grad_decrement_nesting()
@@ -196,6 +193,10 @@ def _direct_vjp(fn: Flat, primals: Sequence[torch.Tensor], cotangents: Sequence[
             _hooks_enable()
         else:
             _hooks_disable(previous_message)
+    # Zeros made outside the level: made inside it, they would be wrappers of
+    # a level that no longer exists, which make_fx cannot follow (graph mode
+    # baked them in as uninitialised constants).
+    return tuple([_zeros_like(p) if g is None else g for g, p in zip(grads, primals)])
 
 
 def direct_path_works() -> bool:

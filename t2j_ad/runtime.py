@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import graph_mode
 from .convert import jax_dtype
 from .malloc_tuning import tune_malloc
 from .torch_fn import TorchFn, build
@@ -83,16 +84,23 @@ class _Runner:
     def __init__(self, fun: TorchFn):
         self.name = fun.name
         self.base = fun.base
+        self.transforms = fun.transforms
         self.impl = build(fun)
-        # A plain call of a function that takes the flat tensors positionally
-        # calls it directly, one frame fewer than ``impl`` (see BaseFn.direct).
-        self.direct = fun.base.direct if not fun.transforms else None
-        self.direct_single = self.direct is not None and fun.base.direct_single
+        self.compile = fun.base.compile
         # No graph for a plain call. A transformed one runs with grad mode on:
         # torch.func.jvp over torch.func.vjp under no_grad silently drops the
         # tangents of tensors the vjp saved (jvp-of-vjp of linalg.solve came
         # out half its value), so Hessians were wrong.
         self.grad_enabled = bool(fun.transforms)
+        # What each call runs: the user's function itself for a plain eager
+        # call that takes the flat tensors positionally (one frame fewer than
+        # ``impl``; see BaseFn.direct), returning one tensor if
+        # ``direct_single``; else ``impl``. In graph mode the first call
+        # traces and replaces it (NOTE [graph mode] in graph_mode.py).
+        direct = fun.base.direct if not fun.transforms and self.compile == "eager" else None
+        self.direct_single = direct is not None and fun.base.direct_single
+        self.call = direct or (self._first_compiled_call if self.compile != "eager" else self.impl)
+        self.cuda_graph = None  # cuda_graphs.CudaGraphCall, set by the first call
         self.out_avals = fun.out_avals
         self.out_names = (
             fun.base.out_names if not fun.transforms else tuple(f"output {i}" for i in range(len(fun.out_avals)))
@@ -122,10 +130,7 @@ class _Runner:
         _set_grad_enabled(self.grad_enabled)
         try:
             try:
-                if self.direct is not None:
-                    results = self.direct(*inputs)  # one tensor if direct_single
-                else:
-                    results = self.impl(*inputs)
+                results = self.call(*inputs)  # one tensor if direct_single
             except TorchCallError:
                 raise
             except Exception as err:
@@ -157,7 +162,40 @@ class _Runner:
     def _on_stream(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
         # PyTorch must run on XLA's stream, for the call and the copies.
         with _stream_context(stream):
-            self(inputs, outputs)
+            if self.cuda_graph is None or not self._replay_cuda_graph(inputs, outputs):
+                self(inputs, outputs)
+
+    def _first_compiled_call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Trace (and compile) this TorchFn, then run it; eagerly if that fails."""
+        artifact = graph_mode.artifact_for(
+            self.compile, self.impl, self.base, self.transforms, inputs, self.grad_enabled
+        )
+        if artifact.run is None:
+            # Eager, announced only once the eager call has worked: a function
+            # that fails eagerly too raises its own error, no warning.
+            results = self.impl(*inputs)
+            self.call = self.impl
+            graph_mode.announce_fallback(self.base, self.name, self.compile, self.transforms, artifact.reason)
+            return results
+        self.call = artifact.run
+        self.cuda_graph = artifact.cuda_graph
+        # The graph holds every derivative explicitly: no autograd at replay.
+        self.grad_enabled = False
+        return artifact.run(*inputs)
+
+    def _replay_cuda_graph(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> bool:
+        """One call by CUDA graph replay (NOTE [CUDA graph replay]); False when
+        capture failed, so the caller runs the aten graph instead."""
+        graph = self.cuda_graph
+        with graph.lock:
+            results = graph(*inputs)
+            if results is None:
+                self.cuda_graph = None
+                return False
+            for out, r in zip(outputs, results):
+                out.copy_(r)
+            graph.finished()
+        return True
 
     def _failure(self, err: Exception) -> TorchCallError:
         return TorchCallError(

@@ -113,8 +113,12 @@ class BaseFn:
         autograd_vjp: bool = False,
         direct: Callable[..., Any] | None = None,
         direct_single: bool = False,
+        compile: str = "eager",
     ):
         self.fn = fn
+        # How each TorchFn of this function runs: "eager", "graph" or
+        # "inductor" (NOTE [graph mode] in graph_mode.py).
+        self.compile = compile
         # The user's function itself, when it takes the flat tensors
         # positionally and returns them flat: one tensor (``direct_single``)
         # or a tuple of tensors. The runtime calls it directly for plain calls,

@@ -133,7 +133,7 @@ def _j_recorded(x, w):
 @pytest.mark.parametrize("method", ["expand_dims", "auto"])
 def test_expand_dims_is_one_torch_vmap_call_with_unbatched_args_passed_once(method, mode):
     record = Recorder()
-    f = t2j_ad.jaxify(record, vmap_method=method)
+    f = t2j_ad.jaxify(record, vmap_method=method, compile="eager")  # counts eager calls into PyTorch; graph replay: tests/test_graph_mode.py
     x, w = randn(5, 3), randn(2)
     f(x[0], w)  # warm the signature cache; not counted below
     record.calls.clear()
@@ -219,7 +219,8 @@ def test_auto_falls_back_to_sequential_with_one_warning(torch_fn, jax_fn):
         calls.append(is_batched(x))
         return torch_fn(x)
 
-    f = t2j_ad.jaxify(counted)  # vmap_method="auto" is the default
+    # vmap_method="auto" is the default; eager: the warnings counted are the vmap fallback's alone.
+    f = t2j_ad.jaxify(counted, compile="eager")
     x = randn(4, 3)
     x = x.at[1].multiply(-5.0)  # both branches are taken
     f(x[0])
@@ -239,7 +240,7 @@ def test_auto_falls_back_to_sequential_with_one_warning(torch_fn, jax_fn):
 
 
 def test_auto_fallback_applies_to_derivatives_too():
-    f = t2j_ad.jaxify(_t_item_loss)
+    f = t2j_ad.jaxify(_t_item_loss, compile="eager")  # counts the vmap fallback's warnings alone
     x = randn(4, 3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -252,12 +253,12 @@ def test_auto_fallback_applies_to_derivatives_too():
 
 def test_explicit_methods_never_fall_back():
     x = randn(4, 3)
-    f = t2j_ad.jaxify(_t_item, vmap_method="expand_dims")
+    f = t2j_ad.jaxify(_t_item, vmap_method="expand_dims", compile="eager")  # no graph-mode warning either
     with pytest.raises(RUNTIME_ERRORS, match=r"\.item\(\)"):
         jax.block_until_ready(jax.vmap(f)(x))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = jax.vmap(t2j_ad.jaxify(_t_item, vmap_method="sequential"))(x)
+        got = jax.vmap(t2j_ad.jaxify(_t_item, vmap_method="sequential", compile="eager"))(x)
     assert_tree_allclose(got, jax.vmap(_j_item)(x))
     assert fallback_warnings(caught) == []
 
@@ -624,7 +625,8 @@ def _j_counted(x):
     return jnp.sin(x) * x.sum()
 
 
-COUNTED = {m: t2j_ad.jaxify(_t_counted, vmap_method=m) for m in ("expand_dims", "sequential")}
+# Eager: these count calls of the Python function, which graph replay skips.
+COUNTED = {m: t2j_ad.jaxify(_t_counted, vmap_method=m, compile="eager") for m in ("expand_dims", "sequential")}
 JACOBIANS = {
     "jacrev": jax.jacrev,
     "jacfwd": jax.jacfwd,

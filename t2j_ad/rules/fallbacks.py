@@ -24,13 +24,18 @@ takes its own fallback, so every order still works.
 
 Each fallback is decided once per function and transform prefix, remembered
 on the ``BaseFn`` (so later calls pay no failed attempt), and announced with
-one warning that names the function and PyTorch's reason.
+one warning that names the function and PyTorch's reason. Inside a graph-mode
+trace the decisions and warnings are provisional (``provisional``): they take
+effect only if the trace succeeds, because a trace can fail for reasons eager
+code never meets (NOTE [graph mode] in graph_mode.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -64,9 +69,53 @@ def _refused(err: BaseException, needles: Iterable[str]) -> bool:
     return isinstance(err, (RuntimeError, NotImplementedError)) and any(n in text for n in needles)
 
 
-def warn_once(base: Any, kind: str, message: str) -> None:
+class _Provisional:
+    """Decisions and warnings made during one trace of ``base``, not yet kept."""
+
+    def __init__(self, base: Any):
+        self.base = base
+        self.decided: dict[Any, str] = dict(base.__dict__.get("fallbacks", {}))
+        self.warnings: dict[Any, str] = {}
+
+
+_tracing = threading.local()
+
+
+def _active(base: Any) -> _Provisional | None:
+    state = getattr(_tracing, "state", None)
+    return state if state is not None and state.base is base else None
+
+
+@contextlib.contextmanager
+def provisional(base: Any) -> Iterator[None]:
+    """Keep the fallback decisions and warnings made inside this block (a
+    graph-mode trace of ``base``'s functions) only if it raises nothing."""
+    outer = getattr(_tracing, "state", None)
+    state = _tracing.state = _Provisional(base)
+    try:
+        yield
+    finally:
+        _tracing.state = outer
+    # Reached only when the block succeeded: commit.
+    base.__dict__.setdefault("fallbacks", {}).update(state.decided)
+    for kind, message in state.warnings.items():
+        warn_once(base, kind, message)
+
+
+def decisions(base: Any) -> dict[Any, str]:
+    """Where the fallback decisions for ``base`` are read and written."""
+    state = _active(base)
+    return state.decided if state is not None else base.__dict__.setdefault("fallbacks", {})
+
+
+def warn_once(base: Any, kind: Any, message: str) -> None:
+    """Warn with ``message`` the first time ``base`` meets fallback ``kind``."""
+    state = _active(base)
     warned = base.__dict__.setdefault("warned", set())
     if kind in warned:
+        return
+    if state is not None:
+        state.warnings.setdefault(kind, message)
         return
     warned.add(kind)
     warnings.warn(message, FallbackWarning, stacklevel=3)
@@ -104,7 +153,7 @@ def reverse_mode(
     key: Any,
 ) -> tuple[torch.Tensor, ...]:
     """Cotangents of ``primals``: ``torch.func.vjp`` (NOTE [functorch levels]), else ``autograd.grad``."""
-    decided = base.__dict__.setdefault("fallbacks", {})
+    decided = decisions(base)
     if not base.autograd_vjp and decided.get(("vjp", key)) != "autograd":
         try:
             return functorch_levels.vjp(fn, primals, cotangents)
@@ -155,7 +204,7 @@ def forward_mode(
     key: Any,
 ) -> tuple[torch.Tensor, ...]:
     """Output tangents: ``torch.func.jvp``, else the double-vjp trick."""
-    decided = base.__dict__.setdefault("fallbacks", {})
+    decided = decisions(base)
     if decided.get(("jvp", key)) != "double_vjp":
         try:
             _, out_tangents = torch.func.jvp(fn, tuple(primals), tuple(tangents))
@@ -188,7 +237,7 @@ def vmap_auto(
     key: Any,
 ) -> tuple[torch.Tensor, ...]:
     """``torch.vmap``, falling back to the sequential loop when it refuses."""
-    decided = base.__dict__.setdefault("fallbacks", {})
+    decided = decisions(base)
     if decided.get(("vmap", key)) == "sequential":
         return sequential(*args)
     try:

@@ -1,0 +1,94 @@
+"""A traced (or compiled) TorchFn captured once as a CUDA graph, replayed on
+XLA's stream (NOTE [graph mode] in graph_mode.py).
+
+NOTE [CUDA graph replay]
+A CUDA graph fixes the addresses it reads and writes, while XLA hands every
+call new buffers. So the graph is captured over static input tensors of its
+own (in a private memory pool), and each call copies XLA's inputs into them,
+replays the graph, and copies the graph's static outputs into XLA's output
+buffers -- all three on the current stream, which the runner has set to
+XLA's. The first call warms the function up on a side stream (lazy cuBLAS
+handles, allocator growth must not happen during capture) and captures it.
+
+The static buffers are shared by every call of this TorchFn, so the
+copy-replay-copy sequence holds a lock, and a call on another stream first
+waits for the event the previous call recorded: the previous replay's
+output copy must finish before new inputs overwrite the static buffers.
+A function that cannot be captured (an op that synchronizes with the host)
+keeps running the aten graph itself, without a CUDA graph, with one warning.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .rules.fallbacks import FallbackWarning
+
+Flat = Callable[..., tuple[torch.Tensor, ...]]
+
+
+class CudaGraphCall:
+    """``run`` (a graph replay or an inductor kernel) as one CUDA graph."""
+
+    def __init__(self, run: Flat, name: str):
+        self.run = run
+        self.name = name
+        self.lock = threading.Lock()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.failed = False
+        self.static_inputs: list[torch.Tensor] = []
+        self.static_outputs: tuple[torch.Tensor, ...] = ()
+        self.done: torch.cuda.Event | None = None
+
+    def _capture(self, inputs: Sequence[torch.Tensor]) -> None:
+        current = torch.cuda.current_stream()
+        self.static_inputs = [torch.empty_like(t) for t in inputs]
+        side = torch.cuda.Stream(device=current.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for static, t in zip(self.static_inputs, inputs):
+                static.copy_(t)
+            self.run(*self.static_inputs)  # warm-up, outside the capture
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+            outs = self.run(*self.static_inputs)
+        self.static_outputs = tuple(outs)
+        self.graph = graph
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Replay into the static outputs; None when capture failed (run the
+        function itself then). The caller copies the result while holding
+        ``lock`` and then calls ``finished``."""
+        if self.failed:
+            return None
+        if self.graph is None:
+            try:
+                self._capture(inputs)
+            except Exception as err:  # noqa: BLE001 - capture refused: replay without it
+                self.failed = True
+                warnings.warn(
+                    f"t2j_ad: the graph of {self.name!r} could not be captured as a CUDA graph "
+                    f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}); "
+                    f"it runs as a plain aten graph on XLA's stream instead.",
+                    FallbackWarning,
+                    stacklevel=3,
+                )
+                return None
+        stream = torch.cuda.current_stream()
+        if self.done is not None:
+            stream.wait_event(self.done)
+        for static, t in zip(self.static_inputs, inputs):
+            static.copy_(t)
+        self.graph.replay()
+        return self.static_outputs
+
+    def finished(self) -> None:
+        """Record that this call's reads of the static outputs are queued."""
+        if self.graph is not None:
+            self.done = torch.cuda.Event()
+            self.done.record(torch.cuda.current_stream())

@@ -1,0 +1,203 @@
+"""``compile="graph"`` and ``compile="inductor"``: each TorchFn traced once.
+
+NOTE [graph mode]
+``torch.func`` is slow for small and medium work not because of the math but
+because of Python and dispatch: every call walks the user's Python, wraps
+tensors for each functorch level, records an autograd graph and replays it.
+``jax.jit`` removes exactly that cost for JAX code by tracing once per input
+signature, and a TorchFn (a user function plus its transform stack, with
+fixed input avals) is already one signature. So in graph mode the PyTorch
+callable ``build`` makes for a TorchFn is traced once, at its first call, with
+``make_fx`` in fake-tensor mode into a flat aten graph; every later call runs
+the graph. The functorch levels, the autograd tape and the user's Python are
+gone from the graph: what is left is the aten ops they issued.
+
+- Fake tensors, never real values. The trace sees shapes and dtypes only, so
+  code whose Python depends on tensor values (``if x.sum() > 0``, NumPy,
+  ``.item()``) makes the trace fail instead of baking one branch in. A graph
+  that reads a scalar back into Python (``aten._local_scalar_dense``, what
+  ``.item()`` becomes) is refused too: that value leaves the graph and, on a
+  GPU, would stall the stream; such functions stay eager.
+- Custom ``autograd.Function`` rules run at trace time, inside the functorch
+  transforms, so their ``backward``/``jvp``/``vmap`` (not the derivative of
+  their forward) are what the graph holds. ``torch.compile``'s Dynamo over the
+  transformed Python would drop them (PyTorch issues 193279, 192985, 172386);
+  we never use Dynamo: ``"inductor"`` compiles the traced aten graph itself.
+- What cannot be traced or compiled runs eagerly, per TorchFn, announced once
+  with a ``FallbackWarning`` naming the function, the transform stack and
+  PyTorch's reason. The warning comes only after the eager call succeeded: a
+  function that fails eagerly too just raises its own error. Fallback
+  decisions made during a failed trace are discarded
+  (``rules.fallbacks.provisional``).
+- Randomness: the graph replays the aten random ops the eager call would run,
+  on PyTorch's global generator, so a seeded run draws the same numbers in
+  both modes; inductor is told to keep those ops (``fallback_random``).
+  Under ``vmap`` random ops are refused in every mode (``randomness="error"``).
+- Constants the function closes over (a module's buffers) are held by
+  reference, as in eager: in-place updates to them are seen.
+- Artifacts live on the ``BaseFn``, keyed by the transform tuple and the
+  device, so equal TorchFns share them; they die with the function
+  (``t2j_ad.clear_caches()`` drops the signature cache that holds it).
+- On CUDA the graph (or the inductor kernel) is captured once into a CUDA
+  graph and replayed on XLA's stream (cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .rules.fallbacks import provisional, warn_once
+
+COMPILE_MODES = ("eager", "graph", "inductor")
+ENV_VAR = "T2J_AD_COMPILE"
+
+Flat = Callable[..., tuple[torch.Tensor, ...]]
+
+
+def resolve_compile_mode(value: str | None, where: str) -> str:
+    """``value``, or the ``T2J_AD_COMPILE`` default when it is None; checked."""
+    if value is None:
+        env = os.environ.get(ENV_VAR, "").strip()
+        if not env:
+            return "eager"
+        if env not in COMPILE_MODES:
+            raise ValueError(f"{ENV_VAR} must be one of {COMPILE_MODES} (or unset), got {env!r}.")
+        return env
+    if value not in COMPILE_MODES:
+        raise ValueError(f"{where}: compile must be one of {COMPILE_MODES}, got {value!r}.")
+    return value
+
+
+class NotTraceable(RuntimeError):
+    """The function's Python needs tensor values, so no graph can stand for it."""
+
+
+_SCALAR_READ = torch.ops.aten._local_scalar_dense.default
+
+
+def _plain_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None):  # noqa: ANN001, ANN202
+    return torch.zeros(size, dtype=dtype, layout=layout, device=device)
+
+
+# Forward-mode formulas give inputs without a tangent PyTorch's "efficient"
+# zero tensors, whose kernels work out shapes on the meta device; under fake
+# tensors that meets the fake device and the trace fails. Plain zeros trace.
+_DECOMPOSITIONS = {torch.ops.aten._efficientzerotensor.default: _plain_zeros}
+
+
+def trace(fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> torch.fx.GraphModule:
+    """``fn`` traced on fake versions of ``inputs`` into an aten graph."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with torch.autograd.set_grad_enabled(grad_enabled):
+        # _allow_non_fake_inputs: tensors the function closes over (module
+        # buffers) become graph constants, held by reference.
+        graph = make_fx(fn, _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+    # Drop what no output needs: the primal work a derivative discards, and
+    # the shape checks of PyTorch's ZeroTensor fallback (meta-device copies,
+    # which fail if replayed). Random ops count as impure, so the graph draws
+    # the same numbers as eager.
+    graph.graph.eliminate_dead_code()
+    graph.recompile()
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and node.target is _SCALAR_READ:
+            raise NotTraceable(
+                "it reads a tensor's value into Python (.item(), float(), int() or bool() of a tensor)"
+            )
+    return graph
+
+
+def compile_with_inductor(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> Flat:
+    """The traced aten graph compiled by inductor (no Dynamo: NOTE [graph mode])."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+
+    with torch.no_grad(), config.patch(fallback_random=True):
+        compiled = compile_fx(graph, list(inputs))
+
+    def run(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(compiled(*args))
+
+    return run
+
+
+class Artifact:
+    """What one TorchFn runs on one device: a callable, or eager with a reason."""
+
+    __slots__ = ("run", "reason", "cuda_graph", "trace_seconds", "compile_seconds")
+
+    def __init__(self, run: Flat | None, reason: str | None = None):
+        self.run = run
+        self.reason = reason  # why it runs eagerly, when run is None
+        self.cuda_graph: Any = None  # cuda_graphs.CudaGraphCall, on CUDA
+        self.trace_seconds = 0.0
+        self.compile_seconds = 0.0
+
+
+def _build_artifact(mode: str, impl: Flat, base: Any, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> Artifact:
+    try:
+        start = time.perf_counter()
+        with provisional(base):
+            graph = trace(impl, inputs, grad_enabled)
+        traced = time.perf_counter()
+        run: Flat = graph.forward
+        if mode == "inductor":
+            run = compile_with_inductor(graph, inputs)
+        artifact = Artifact(run)
+        artifact.trace_seconds = traced - start
+        artifact.compile_seconds = time.perf_counter() - traced if mode == "inductor" else 0.0
+    except Exception as err:  # noqa: BLE001 - any failure: run eagerly (NOTE [graph mode])
+        return Artifact(None, _reason(err))
+    if inputs and inputs[0].is_cuda:
+        from .cuda_graphs import CudaGraphCall
+
+        artifact.cuda_graph = CudaGraphCall(artifact.run, base.name)
+    return artifact
+
+
+def _reason(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def artifact_for(
+    mode: str,
+    impl: Flat,
+    base: Any,
+    transforms: tuple[Any, ...],
+    inputs: Sequence[torch.Tensor],
+    grad_enabled: bool,
+) -> Artifact:
+    """The traced (and for ``inductor`` compiled) form of one TorchFn, made at
+    its first call and cached on ``base`` by transforms and device."""
+    key = (transforms, inputs[0].device if inputs else None)
+    cache: dict[Any, Artifact] = base.__dict__.setdefault("graphs", {})
+    artifact = cache.get(key)
+    if artifact is not None:
+        return artifact
+    lock: threading.Lock = base.lock
+    with lock:
+        artifact = cache.get(key)
+        if artifact is None:
+            artifact = _build_artifact(mode, impl, base, inputs, grad_enabled)
+            cache[key] = artifact
+    return artifact
+
+
+def announce_fallback(base: Any, name: str, mode: str, transforms: tuple[Any, ...], reason: str) -> None:
+    """One ``FallbackWarning`` per function and transform stack."""
+    stack = " > ".join(type(t).__name__ for t in transforms) or "plain call"
+    warn_once(
+        base,
+        ("compile", mode, transforms),
+        f"t2j_ad: compile={mode!r} could not trace {name!r} (transforms: {stack}), so it runs "
+        f"eagerly: {reason}. Results are the same; only speed differs. Pass compile='eager' "
+        f"to silence this, or keep tensor values out of Python control flow (no .item(), "
+        f"NumPy or `if tensor`) to trace it.",
+    )
