@@ -7,22 +7,37 @@ in one run:
 - ``t2j_ad``: ``jax.jit(jax.hessian(loss))`` of the jaxify'd PyTorch loss
   (forward over reverse: one batched PyTorch call per level);
 - ``torch.func``: ``torch.func.hessian(loss)`` on the same loss;
-- ``pure JAX``: the same math written in ``jax.numpy``, for context.
+- ``t2j_ad graph`` / ``t2j_ad inductor``: as the first, with
+  ``compile="graph"`` and ``compile="inductor"``;
+- ``pure JAX``: the same math written in ``jax.numpy``.
 
-Target (issue 4): t2j_ad at most 1.2x torch.func.
+Targets: t2j_ad at most 1.2x torch.func (issue 4); graph at most 0.8x
+torch.func, inductor at most 1.0x pure JAX (issue 14). First-call costs are
+reported as in bench_per_example_grads.py.
 
     python benchmarks/bench_hessian.py [--threads 1 2]
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from common import thread_args, markdown_table, print_report, set_threads, time_calls  # noqa: E402
+from common import (  # noqa: E402
+    first_call_costs,
+    fresh_inductor_cache,
+    markdown_table,
+    print_report,
+    second_process_first_call,
+    set_threads,
+    thread_args,
+    time_calls,
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -68,37 +83,73 @@ def make_data(seed: int = 0):
     return theta, x, y
 
 
-def contenders():
+def contenders(first_calls: list[str]):
     theta, x, y = make_data()
     jtheta, jx, jy = map(jnp.asarray, (theta, x, y))
     ttheta, tx, ty = map(torch.from_numpy, (theta, x, y))
 
     hessian = jax.jit(jax.hessian(t2j_ad.jaxify(torch_loss)))
+    compiled = {}
+    for mode in ("graph", "inductor"):
+        jaxified = t2j_ad.jaxify(torch_loss, compile=mode)
+        compiled[mode] = jax.jit(jax.hessian(jaxified))
+        first_calls.append(
+            first_call_costs(mode, jaxified, lambda f=compiled[mode]: jax.block_until_ready(f(jtheta, jx, jy)))
+        )
     pure = jax.jit(jax.hessian(jax_loss))
     reference = torch.func.hessian(torch_loss)
 
     # Every contender computes the same Hessian.
     expected = np.asarray(pure(jtheta, jx, jy))
-    for got in (hessian(jtheta, jx, jy), reference(ttheta, tx, ty)):
+    for got in (hessian(jtheta, jx, jy), compiled["graph"](jtheta, jx, jy), compiled["inductor"](jtheta, jx, jy)):
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(reference(ttheta, tx, ty).numpy(), expected, rtol=1e-4, atol=1e-5)
 
     return {
         "t2j_ad": lambda: jax.block_until_ready(hessian(jtheta, jx, jy)),
+        "t2j_ad graph": lambda: jax.block_until_ready(compiled["graph"](jtheta, jx, jy)),
+        "t2j_ad inductor": lambda: jax.block_until_ready(compiled["inductor"](jtheta, jx, jy)),
         "torch.func": lambda: reference(ttheta, tx, ty),
         "pure JAX": lambda: jax.block_until_ready(pure(jtheta, jx, jy)),
     }
 
 
+def first_call_probe() -> None:
+    """In a fresh process: the inductor version's first call, as JSON."""
+    theta, x, y = map(jnp.asarray, make_data())
+    jaxified = t2j_ad.jaxify(torch_loss, compile="inductor")
+    f = jax.jit(jax.hessian(jaxified))
+    start = time.perf_counter()
+    jax.block_until_ready(f(theta, x, y))
+    print(json.dumps({"first_call": time.perf_counter() - start, **jaxified.compile_stats()}))
+
+
 def main() -> None:
     args = thread_args(__doc__)
+    if args.first_call_probe:
+        first_call_probe()
+        return
+    fresh_inductor_cache()
 
     sections = []
     for n in args.threads:
         set_threads(n)
-        timings = time_calls(contenders(), repeats=args.repeats)
+        first_calls: list[str] = []
+        timings = time_calls(contenders(first_calls), repeats=args.repeats)
         by_name = {t.name: t.median for t in timings}
-        summary = f"t2j_ad / torch.func = {by_name['t2j_ad'] / by_name['torch.func']:.2f}x (target <= 1.2x)"
-        sections.append((f"PyTorch threads: {n}", markdown_table(timings, "torch.func") + "\n\n" + summary))
+        summary = (
+            f"t2j_ad / torch.func = {by_name['t2j_ad'] / by_name['torch.func']:.2f}x (target <= 1.2x); "
+            f"graph / torch.func = {by_name['t2j_ad graph'] / by_name['torch.func']:.2f}x (target <= 0.8x); "
+            f"inductor / pure JAX = {by_name['t2j_ad inductor'] / by_name['pure JAX']:.2f}x (target <= 1.0x)"
+        )
+        costs = "First calls (this process): " + "; ".join(first_calls)
+        sections.append((f"PyTorch threads: {n}", markdown_table(timings, "torch.func") + "\n\n" + summary + "\n\n" + costs))
+    probe = second_process_first_call(__file__)
+    sections.append((
+        "Inductor in a second process (PyTorch's disk cache warm)",
+        f"first call {probe['first_call']:.2f} s, of which compile {probe['compile_seconds']:.2f} s "
+        f"and trace {probe['trace_seconds']:.2f} s",
+    ))
     command = "python benchmarks/bench_hessian.py --threads " + " ".join(map(str, args.threads))
     print_report(f"Hessian, MLP {D_IN}-{HIDDEN}-1 ({N_PARAMS} parameters), batch {BATCH}", command, sections)
 

@@ -7,23 +7,40 @@ MLP 32-64-1 (tanh), squared error, batch 256. Contenders, timed in one run:
 - ``torch.func``: ``torch.func.vmap(torch.func.grad(loss))`` on the same loss;
 - ``t2j_ad sequential``: as the first, with ``vmap_method="sequential"``
   (the loss called once per example);
-- ``pure JAX``: the same math written in ``jax.numpy``, for context.
+- ``t2j_ad graph`` / ``t2j_ad inductor``: as the first, with
+  ``compile="graph"`` (the derived PyTorch function traced once and replayed)
+  and ``compile="inductor"`` (that graph compiled by inductor);
+- ``pure JAX``: the same math written in ``jax.numpy``.
 
-Targets (issue 4): expand_dims at most 1.2x torch.func, at least 20x faster
-than sequential.
+Targets: expand_dims at most 1.2x torch.func, at least 20x faster than
+sequential (issue 4); graph at most 0.8x torch.func, inductor at most 1.2x
+pure JAX (issue 14). The first call of the graph and inductor versions is
+reported too (trace and compile time), and the inductor first call again in
+a second process, which finds the compiled kernels in PyTorch's disk cache.
 
     python benchmarks/bench_per_example_grads.py [--threads 1 2]
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from common import thread_args, markdown_table, print_report, set_threads, time_calls  # noqa: E402
+from common import (  # noqa: E402
+    first_call_costs,
+    fresh_inductor_cache,
+    markdown_table,
+    print_report,
+    second_process_first_call,
+    set_threads,
+    thread_args,
+    time_calls,
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -64,49 +81,84 @@ def make_data(seed: int = 0):
     return params, x, y
 
 
-def contenders():
+def per_example(loss):
+    return jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0, 0)))
+
+
+def contenders(first_calls: list[str]):
     params, x, y = make_data()
     jparams, jx, jy = jax.tree.map(jnp.asarray, (params, x, y))
     tparams, tx, ty = jax.tree.map(torch.from_numpy, (params, x, y))
 
-    def per_example(loss):
-        return jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0, 0)))
-
     expand = per_example(t2j_ad.jaxify(torch_loss, vmap_method="expand_dims"))
     sequential = per_example(t2j_ad.jaxify(torch_loss, vmap_method="sequential"))
+    compiled = {}
+    for mode in ("graph", "inductor"):
+        jaxified = t2j_ad.jaxify(torch_loss, vmap_method="expand_dims", compile=mode)
+        compiled[mode] = per_example(jaxified)
+        first_calls.append(
+            first_call_costs(mode, jaxified, lambda f=compiled[mode]: jax.block_until_ready(f(jparams, jx, jy)))
+        )
     pure = per_example(jax_loss)
     reference = torch.func.vmap(torch.func.grad(torch_loss), in_dims=(None, 0, 0))
 
     # Every contender computes the same gradients.
     expected = jax.tree.map(np.asarray, pure(jparams, jx, jy))
-    for got in (expand(jparams, jx, jy), sequential(jparams, jx, jy), reference(tparams, tx, ty)):
+    for f in (expand, sequential, compiled["graph"], compiled["inductor"], reference):
+        got = f(tparams, tx, ty) if f is reference else f(jparams, jx, jy)
         for g, e in zip(got, expected):
             np.testing.assert_allclose(np.asarray(g), e, rtol=1e-4, atol=1e-5)
 
     return {
         "t2j_ad expand_dims": lambda: jax.block_until_ready(expand(jparams, jx, jy)),
+        "t2j_ad graph": lambda: jax.block_until_ready(compiled["graph"](jparams, jx, jy)),
+        "t2j_ad inductor": lambda: jax.block_until_ready(compiled["inductor"](jparams, jx, jy)),
         "torch.func": lambda: reference(tparams, tx, ty),
         "t2j_ad sequential": lambda: jax.block_until_ready(sequential(jparams, jx, jy)),
         "pure JAX": lambda: jax.block_until_ready(pure(jparams, jx, jy)),
     }
 
 
+def first_call_probe() -> None:
+    """In a fresh process: the inductor version's first call, as JSON."""
+    params, x, y = jax.tree.map(jnp.asarray, make_data())
+    jaxified = t2j_ad.jaxify(torch_loss, vmap_method="expand_dims", compile="inductor")
+    f = per_example(jaxified)
+    start = time.perf_counter()
+    jax.block_until_ready(f(params, x, y))
+    print(json.dumps({"first_call": time.perf_counter() - start, **jaxified.compile_stats()}))
+
+
 def main() -> None:
     args = thread_args(__doc__)
+    if args.first_call_probe:
+        first_call_probe()
+        return
+    fresh_inductor_cache()
 
     sections = []
     for n in args.threads:
         set_threads(n)
+        first_calls: list[str] = []
         # The sequential loop is slow; fewer rounds keep the run short.
         slow = {"t2j_ad sequential": max(3, args.repeats // 3)}
-        timings = time_calls(contenders(), repeats=args.repeats, repeats_of=slow)
+        timings = time_calls(contenders(first_calls), repeats=args.repeats, repeats_of=slow)
         by_name = {t.name: t.median for t in timings}
         summary = (
             f"expand_dims / torch.func = {by_name['t2j_ad expand_dims'] / by_name['torch.func']:.2f}x "
             f"(target <= 1.2x); sequential / expand_dims = "
-            f"{by_name['t2j_ad sequential'] / by_name['t2j_ad expand_dims']:.1f}x (target >= 20x)"
+            f"{by_name['t2j_ad sequential'] / by_name['t2j_ad expand_dims']:.1f}x (target >= 20x); "
+            f"graph / torch.func = {by_name['t2j_ad graph'] / by_name['torch.func']:.2f}x (target <= 0.8x); "
+            f"inductor / pure JAX = {by_name['t2j_ad inductor'] / by_name['pure JAX']:.2f}x (target <= 1.2x)"
         )
-        sections.append((f"PyTorch threads: {n}", markdown_table(timings, "torch.func") + "\n\n" + summary))
+        costs = "First calls (this process): " + "; ".join(first_calls)
+        sections.append((f"PyTorch threads: {n}", markdown_table(timings, "torch.func") + "\n\n" + summary + "\n\n" + costs))
+    probe = second_process_first_call(__file__)
+    sections.append((
+        "Inductor in a second process (PyTorch's disk cache warm)",
+        f"first call {probe['first_call']:.2f} s, of which compile {probe['compile_seconds']:.2f} s "
+        f"and trace {probe['trace_seconds']:.2f} s",
+    ))
     command = "python benchmarks/bench_per_example_grads.py --threads " + " ".join(map(str, args.threads))
     print_report(f"Per-example gradients, MLP {D_IN}-{HIDDEN}-{D_OUT}, batch {BATCH}", command, sections)
 

@@ -8,9 +8,11 @@ contender is a zero-argument callable that returns when its work is done
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -154,4 +156,43 @@ def thread_args(doc: str):
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="PyTorch thread counts to measure")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--first-call-probe",
+        action="store_true",
+        help="internal: time the first inductor call in this fresh process and print it as JSON",
+    )
     return parser.parse_args()
+
+
+def first_call_costs(name: str, jaxified: Any, call: Callable[[], Any]) -> str:
+    """Run ``call`` (the first call of a ``compile="graph"|"inductor"`` function)
+    and report what it cost: the whole first call, and the trace and compile
+    seconds ``jaxified.compile_stats()`` recorded."""
+    start = time.perf_counter()
+    call()
+    first = time.perf_counter() - start
+    stats = jaxified.compile_stats()
+    return (
+        f"{name}: first call {format_seconds(first)} (trace {format_seconds(stats['trace_seconds'])}, "
+        f"compile {format_seconds(stats['compile_seconds'])}; {stats['graphs']} graph(s), "
+        f"{stats['eager_fallbacks']} eager fallback(s))"
+    )
+
+
+def second_process_first_call(script: str) -> dict[str, float]:
+    """Run ``script --first-call-probe`` in a fresh interpreter (sharing this
+    process's inductor cache directory) and return the JSON it prints last."""
+    done = subprocess.run(
+        [sys.executable, script, "--first-call-probe"], capture_output=True, text=True, check=True, env=dict(os.environ)
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def fresh_inductor_cache() -> str:
+    """Point inductor at an empty cache directory for this run (and the
+    processes it starts), so the first compile is a cold one."""
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="t2j_ad_bench_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set everything up, then run the whole test suite: everything on the default
-# (C++ FFI) backend, then the core tests again on the Python callback backend.
+# (C++ FFI) backend; the core transform tests and the property suite again
+# with every PyTorch function traced (compile="graph"); then the core tests
+# again on the Python callback backend.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -9,6 +11,10 @@ export JAX_PLATFORMS=cpu T2J_AD_TORCH_THREADS=1
 
 echo "== full suite, default backend =="
 "$PY" -m pytest tests -q -p no:cacheprovider "$@"
+
+echo "== core transform tests and property suite, compile='graph' =="
+T2J_AD_COMPILE=graph "$PY" -m pytest -q -p no:cacheprovider \
+  tests/test_ad.py tests/test_batching.py tests/test_module.py tests/test_ad_fallbacks.py tests/property "$@"
 
 echo "== core tests, callback backend =="
 T2J_AD_BACKEND=callback "$PY" -m pytest -q -p no:cacheprovider \

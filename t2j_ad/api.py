@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, t2j, torch_dtype
+from . import graph_mode
 from .graph_mode import resolve_compile_mode
 from .inference import infer_outputs
 from .primitive import torch_call
@@ -255,6 +256,19 @@ class JaxifiedFunction:
     def clear_cache(self) -> None:
         with self._lock:
             self._cache.clear()
+
+    def compile_stats(self) -> dict[str, float]:
+        """What ``compile="graph"``/``"inductor"`` made so far, over every input
+        signature and transform stack: ``graphs`` (traced TorchFns),
+        ``eager_fallbacks`` (TorchFns that could not be traced and run
+        eagerly), ``trace_seconds`` and ``compile_seconds`` (inductor) spent."""
+        artifacts = [a for entry in list(self._cache.values()) for a in graph_mode.artifacts(entry.base)]
+        return {
+            "graphs": sum(a.run is not None for a in artifacts),
+            "eager_fallbacks": sum(a.run is None for a in artifacts),
+            "trace_seconds": sum(a.trace_seconds for a in artifacts),
+            "compile_seconds": sum(a.compile_seconds for a in artifacts),
+        }
 
 
 def jaxify(

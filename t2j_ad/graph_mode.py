@@ -115,10 +115,17 @@ def trace(fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> torch
 
 def compile_with_inductor(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> Flat:
     """The traced aten graph compiled by inductor (no Dynamo: NOTE [graph mode])."""
+    from torch._guards import TracingContext, tracing
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    with torch.no_grad(), config.patch(fallback_random=True):
+    # Inductor's on-disk graph cache keys on the shape environment of the
+    # tracing context Dynamo would have set up, and skips itself without
+    # one; the shapes here are static, so an empty environment is exact.
+    context = TracingContext(FakeTensorMode(shape_env=ShapeEnv()))
+    with torch.no_grad(), config.patch(fallback_random=True), tracing(context):
         compiled = compile_fx(graph, list(inputs))
 
     def run(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -177,7 +184,7 @@ def artifact_for(
     """The traced (and for ``inductor`` compiled) form of one TorchFn, made at
     its first call and cached on ``base`` by transforms and device."""
     key = (transforms, inputs[0].device if inputs else None)
-    cache: dict[Any, Artifact] = base.__dict__.setdefault("graphs", {})
+    cache: dict[Any, Artifact] = base.__dict__.setdefault("graphs", {})  # read by artifacts()
     artifact = cache.get(key)
     if artifact is not None:
         return artifact
@@ -188,6 +195,11 @@ def artifact_for(
             artifact = _build_artifact(mode, impl, base, inputs, grad_enabled)
             cache[key] = artifact
     return artifact
+
+
+def artifacts(base: Any) -> list[Artifact]:
+    """Every artifact made so far for ``base``'s TorchFns."""
+    return list(base.__dict__.get("graphs", {}).values())
 
 
 def announce_fallback(base: Any, name: str, mode: str, transforms: tuple[Any, ...], reason: str) -> None:

@@ -1,0 +1,507 @@
+"""``compile="graph"`` and ``compile="inductor"`` (NOTE [graph mode]).
+
+Every result is held against pure JAX or ``torch.func`` on the same math. The
+whole core suite also runs with ``T2J_AD_COMPILE=graph`` (scripts/run_tests.sh);
+this file covers what only graph mode has: one trace per TorchFn, custom
+``autograd.Function`` rules kept, eager fallbacks and their warnings, the
+artifacts' lifetime, threads, randomness, inductor and its on-disk cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.func
+from conftest import assert_tree_allclose
+
+import t2j_ad
+from t2j_ad import graph_mode
+from t2j_ad.rules.fallbacks import FallbackWarning
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """The transform stacks traced during the test, in order."""
+    seen: list[str] = []
+    original = graph_mode.trace
+
+    def counting(fn, inputs, grad_enabled):
+        seen.append(len(inputs))
+        return original(fn, inputs, grad_enabled)
+
+    monkeypatch.setattr(graph_mode, "trace", counting)
+    return seen
+
+
+@contextlib.contextmanager
+def no_fallback():
+    """Fail on any FallbackWarning: the function must really run as a graph."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        yield
+
+
+def _compile_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, FallbackWarning) and "compile=" in str(w.message)]
+
+
+# ------------------------------------------------------------------ the math
+
+
+def _t_loss(w, x, y):
+    return ((torch.tanh(x @ w) - y) ** 2).sum()
+
+
+def _j_loss(w, x, y):
+    return ((jnp.tanh(x @ w) - y) ** 2).sum()
+
+
+RNG = np.random.default_rng(0)
+W = jnp.asarray(RNG.standard_normal(3), jnp.float32)
+XS = jnp.asarray(RNG.standard_normal((5, 3)), jnp.float32)
+YS = jnp.asarray(RNG.standard_normal(5), jnp.float32)
+
+TRANSFORMS = {
+    "value": lambda f: f,
+    "grad": lambda f: jax.grad(f, argnums=(0, 1)),
+    "per_example_grads": lambda f: jax.vmap(jax.grad(f), in_axes=(None, 0, 0)),
+    "hessian": lambda f: jax.hessian(f),
+    "jacfwd": lambda f: jax.jacfwd(f, argnums=1),
+    "vmap_hessian": lambda f: jax.vmap(jax.hessian(f), in_axes=(None, 0, 0)),
+    "jvp": lambda f: lambda w, x, y: jax.jvp(lambda w: f(w, x, y), (w,), (jnp.ones_like(w),)),
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_transforms_run_as_graphs_and_match_pure_jax(name, traces):
+    transform = TRANSFORMS[name]
+    f = t2j_ad.jaxify(_t_loss, compile="graph")
+    xs = XS if "per_example" in name or "vmap" in name else XS[0]
+    ys = YS if "per_example" in name or "vmap" in name else YS[0]
+    with no_fallback():
+        got = jax.jit(transform(f))(W, xs, ys)
+    assert traces, "nothing was traced"
+    assert_tree_allclose(got, jax.jit(transform(_j_loss))(W, xs, ys), rtol=1e-5, atol=1e-5)
+
+
+def test_module_in_graph_mode_matches_its_eager_twin():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    apply_graph, params = t2j_ad.jaxify_module(module, compile="graph")
+    apply_eager, _ = t2j_ad.jaxify_module(module, compile="eager")
+
+    def loss(apply):
+        return lambda p, x: (apply(p, x) ** 2).sum()
+
+    per_example = lambda apply: jax.jit(jax.vmap(jax.grad(loss(apply)), in_axes=(None, 0)))  # noqa: E731
+    with no_fallback():
+        got = per_example(apply_graph)(params, XS)
+    assert_tree_allclose(got, per_example(apply_eager)(params, XS))
+
+
+def test_each_torch_fn_is_traced_once_and_new_values_flow_through(traces):
+    f = t2j_ad.jaxify(_t_loss, compile="graph")
+    per_example = jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0, 0)))
+    reference = jax.jit(jax.vmap(jax.grad(_j_loss), in_axes=(None, 0, 0)))
+    per_example(W, XS, YS)
+    first = len(traces)
+    for scale in (0.5, 2.0, -1.0):
+        assert_tree_allclose(per_example(W * scale, XS, YS + scale), reference(W * scale, XS, YS + scale))
+    assert len(traces) == first == 1
+    # A fresh jit of the same function reuses the graph (equal TorchFns share it).
+    jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0, 0)))(W, XS, YS)
+    assert len(traces) == 1
+
+
+# ------------------------------------------ custom rules survive the trace
+
+
+class StraightThrough(torch.autograd.Function):
+    """round() forward, identity derivative: the custom rules differ from the
+    derivative of the forward (which is zero), so a dropped rule shows."""
+
+    @staticmethod
+    def forward(x):
+        return torch.round(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+    @staticmethod
+    def jvp(ctx, tangent):
+        return tangent
+
+    @staticmethod
+    def vmap(info, in_dims, x):
+        return torch.round(x), in_dims[0]
+
+
+def _t_quantized_loss(w, x):
+    return (StraightThrough.apply(x * w) * w).sum()
+
+
+def _torch_func_references(w, xs):
+    tw, txs = torch.from_numpy(np.asarray(w)), torch.from_numpy(np.asarray(xs))
+    grad = torch.func.grad(_t_quantized_loss)
+    return {
+        "grad": grad(tw, txs[0]).numpy(),
+        "per_example": torch.func.vmap(grad, in_dims=(None, 0))(tw, txs).numpy(),
+        "jacfwd": torch.func.jacfwd(_t_quantized_loss)(tw, txs[0]).numpy(),
+    }
+
+
+def _quantized_results(f, w, xs):
+    return {
+        "grad": jax.grad(f)(w, xs[0]),
+        "per_example": jax.vmap(jax.grad(f), in_axes=(None, 0))(w, xs),
+        "jacfwd": jax.jacfwd(f)(w, xs[0]),
+    }
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_custom_autograd_function_rules_are_kept(mode):
+    f = t2j_ad.jaxify(_t_quantized_loss, compile=mode)
+    w = jnp.asarray([0.7, -1.3, 2.2], jnp.float32)
+    xs = XS * 3
+    with no_fallback():
+        got = jax.jit(lambda w, xs: _quantized_results(f, w, xs))(w, xs)
+    expected = _torch_func_references(w, xs)
+    assert_tree_allclose(got, {k: jnp.asarray(v) for k, v in expected.items()})
+    # The derivative of round() alone would be w * 0 + round(x w): not these.
+    assert not np.allclose(np.asarray(got["grad"]), np.round(np.asarray(xs[0] * w)))
+
+
+# ----------------------------------------------------------------- fallbacks
+
+
+def _t_branch(x):
+    return x * 2 if x.sum() > 0 else -x
+
+
+def _t_item(x):
+    return x * x.sum().item()
+
+
+class NumpySin(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return torch.from_numpy(np.sin(x.detach().numpy()))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * torch.cos(x)
+
+
+def _t_numpy(x):
+    return NumpySin.apply(x).sum()
+
+
+FALLBACKS = {
+    # name: (torch fn, JAX twin, transform, transform stack named in the warning, PyTorch's reason)
+    "data_dependent_branch": (
+        _t_branch,
+        lambda x: jnp.where(x.sum() > 0, x * 2, -x),
+        lambda f: f,
+        "plain call",
+        "data-dependent",
+    ),
+    "item": (_t_item, lambda x: x * x.sum(), lambda f: f, "plain call", ".item()"),
+    "numpy_autograd_function": (_t_numpy, lambda x: jnp.sin(x).sum(), jax.grad, "Vjp", ".numpy()"),
+}
+
+
+@pytest.mark.parametrize("name", list(FALLBACKS))
+def test_untraceable_functions_fall_back_to_eager_with_one_warning(name):
+    torch_fn, jax_fn, transform, stack, reason = FALLBACKS[name]
+    f = jax.jit(transform(t2j_ad.jaxify(torch_fn, compile="graph")))
+    x = jnp.asarray([0.5, -0.25, 1.5], jnp.float32)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        first = f(x)
+        second = f(x * 2)
+    assert_tree_allclose(first, transform(jax_fn)(x))
+    assert_tree_allclose(second, transform(jax_fn)(x * 2))
+    messages = _compile_warnings(record)
+    assert len(messages) == 1, messages
+    assert torch_fn.__name__ in messages[0]
+    assert f"transforms: {stack}" in messages[0]
+    assert reason in messages[0]
+
+
+def test_a_function_that_fails_eagerly_raises_its_own_error_without_a_fallback_warning():
+    def broken(x):
+        raise ValueError("broken on purpose")
+
+    f = t2j_ad.jaxify(broken, output_shapes=jax.ShapeDtypeStruct((3,), jnp.float32), compile="graph")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with pytest.raises(Exception, match="broken on purpose"):
+            jax.block_until_ready(jax.jit(f)(jnp.ones(3)))
+    assert _compile_warnings(record) == []
+    assert_tree_allclose(jax.jit(t2j_ad.jaxify(torch.sin, compile="graph"))(jnp.ones(3)), jnp.sin(jnp.ones(3)))
+
+
+class NumpyWithVmapRule(torch.autograd.Function):
+    """Vectorizes eagerly through its vmap rule, but its NumPy forward cannot
+    be traced: the failed trace must not leave a 'sequential' decision."""
+
+    @staticmethod
+    def forward(x):
+        return torch.from_numpy(np.tanh(x.detach().numpy()))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def vmap(info, in_dims, x):
+        return NumpyWithVmapRule.apply(x), in_dims[0]
+
+
+def test_a_failed_trace_leaves_no_fallback_decisions_behind():
+    jaxified = t2j_ad.jaxify(NumpyWithVmapRule.apply, compile="graph")
+    f = jax.jit(jax.vmap(jaxified))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert_tree_allclose(f(XS), jnp.tanh(XS))
+    fallbacks = [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
+    assert len(fallbacks) == 1 and "compile='graph'" in fallbacks[0], fallbacks
+    assert jaxified.compile_stats()["eager_fallbacks"] == 1
+    (entry,) = jaxified._cache.values()
+    assert "sequential" not in entry.base.__dict__.get("fallbacks", {}).values()
+
+
+def test_input_mutation_is_refused_in_graph_mode():
+    def mutates(x):
+        x.add_(1.0)
+        return x * 2
+
+    f = t2j_ad.jaxify(mutates, output_shapes=jax.ShapeDtypeStruct((3,), jnp.float32), compile="graph")
+    x = jnp.ones(3)
+    with pytest.raises(Exception, match="mutated input"):
+        jax.block_until_ready(jax.jit(f)(x))
+    np.testing.assert_array_equal(np.asarray(x), np.ones(3))
+
+
+# ------------------------------------------------- randomness and constants
+
+
+def test_random_ops_draw_what_eager_draws():
+    def noisy(x):
+        return x + torch.rand_like(x)
+
+    x = jnp.zeros(4)
+    results = {}
+    for mode in ("eager", "graph"):
+        f = jax.jit(t2j_ad.jaxify(noisy, compile=mode))
+        jax.block_until_ready(f(x))  # trace and compile outside the seeded draw
+        torch.manual_seed(1234)
+        results[mode] = np.asarray(f(x))
+    np.testing.assert_array_equal(results["graph"], results["eager"])
+    torch.manual_seed(1234)
+    np.testing.assert_array_equal(results["graph"], torch.rand(4).numpy())
+
+
+def test_buffers_are_held_by_reference_as_in_eager():
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(3))
+            self.register_buffer("offset", torch.zeros(3))
+
+        def forward(self, x):
+            return x * self.weight + self.offset
+
+    module = Scale()
+    apply, params = t2j_ad.jaxify_module(module, compile="graph")
+    f = jax.jit(apply)
+    x = jnp.arange(3.0)
+    with no_fallback():
+        assert_tree_allclose(f(params, x), x)
+        with torch.no_grad():
+            module.offset.add_(5.0)
+        assert_tree_allclose(f(params, x), x + 5.0)
+
+
+# ------------------------------------------------------- threads, lifetime
+
+
+def test_threads_share_one_trace_and_all_get_right_answers(traces):
+    f = t2j_ad.jaxify(_t_loss, compile="graph")
+    per_example = jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0, 0)))
+    expected = np.asarray(jax.jit(jax.vmap(jax.grad(_j_loss), in_axes=(None, 0, 0)))(W, XS, YS))
+    barrier = threading.Barrier(8)
+    failures: list[BaseException] = []
+
+    def work():
+        try:
+            barrier.wait()
+            for _ in range(5):
+                np.testing.assert_allclose(np.asarray(per_example(W, XS, YS)), expected, rtol=1e-5, atol=1e-5)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            failures.append(err)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[0]
+    assert len(traces) == 1
+
+
+def _graph_modules(jaxified) -> list[weakref.ref]:
+    refs = []
+    for entry in jaxified._cache.values():
+        for artifact in entry.base.__dict__.get("graphs", {}).values():
+            refs.append(weakref.ref(artifact.run.__self__))  # the GraphModule
+    return refs
+
+
+def test_graphs_are_freed_by_clear_caches_and_with_the_function():
+    f = t2j_ad.jaxify(_t_loss, compile="graph")
+    jax.jit(jax.grad(f))(W, XS[0], YS[0])
+    refs = _graph_modules(f)
+    assert refs and all(r() is not None for r in refs)
+    t2j_ad.clear_caches()
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+    g = t2j_ad.jaxify(_t_loss, compile="graph")
+    jax.jit(jax.grad(g))(W, XS[0], YS[0])
+    refs = _graph_modules(g)
+    assert refs
+    del g
+    jax.clear_caches()
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+# ------------------------------------------------------------ the keyword
+
+
+def test_compile_keyword_and_environment_default(monkeypatch):
+    monkeypatch.delenv("T2J_AD_COMPILE", raising=False)
+    assert t2j_ad.jaxify(torch.sin).compile == "eager"
+    assert t2j_ad.jaxify(compile="graph")(torch.sin).compile == "graph"
+    monkeypatch.setenv("T2J_AD_COMPILE", "graph")
+    assert t2j_ad.jaxify(torch.sin).compile == "graph"
+    assert t2j_ad.jaxify(torch.sin, compile="eager").compile == "eager"
+    apply, _ = t2j_ad.jaxify_module(torch.nn.Linear(2, 2))
+    assert apply.jaxified.compile == "graph"
+
+
+def test_bad_compile_values_name_the_argument(monkeypatch):
+    with pytest.raises(ValueError, match="compile must be one of"):
+        t2j_ad.jaxify(torch.sin, compile="fast")
+    with pytest.raises(ValueError, match="compile must be one of"):
+        t2j_ad.jaxify_module(torch.nn.Linear(2, 2), compile="jit")
+    monkeypatch.setenv("T2J_AD_COMPILE", "turbo")
+    with pytest.raises(ValueError, match="T2J_AD_COMPILE must be one of"):
+        t2j_ad.jaxify(torch.sin)
+
+
+# --------------------------------------------------------------- inductor
+
+
+def test_inductor_matches_torch_func_and_keeps_custom_rules():
+    f = t2j_ad.jaxify(_t_quantized_loss, compile="inductor")
+    w = jnp.asarray([0.7, -1.3, 2.2], jnp.float32)
+    xs = XS * 3
+    per_example = jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0)))
+    with no_fallback():
+        got = per_example(w, xs)
+        again = per_example(w * 2, xs)
+    expected = _torch_func_references(w, xs)["per_example"]
+    assert_tree_allclose(got, jnp.asarray(expected))
+    assert_tree_allclose(again, jnp.asarray(_torch_func_references(w * 2, xs)["per_example"]))
+    stats = f.compile_stats()
+    assert stats["graphs"] == 1 and stats["eager_fallbacks"] == 0
+    assert stats["compile_seconds"] > 0  # really compiled, not the traced graph
+
+
+_CACHE_PROBE = textwrap.dedent(
+    """
+    import json, os, sys
+    import jax, jax.numpy as jnp, torch
+    from torch._dynamo.utils import counters
+    import t2j_ad
+
+    def loss(w, x):
+        return (torch.tanh(x @ w) ** 2).sum()
+
+    f = jax.jit(jax.vmap(jax.grad(t2j_ad.jaxify(loss, compile="inductor")), in_axes=(None, 0)))
+    w, xs = jnp.linspace(-1.0, 1.0, 3), jnp.linspace(0.0, 1.0, 12).reshape(4, 3)
+    got = f(w, xs)
+    expected = jax.vmap(jax.grad(lambda w, x: (jnp.tanh(x @ w) ** 2).sum()), in_axes=(None, 0))(w, xs)
+    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
+    print(json.dumps({"hits": hits, "misses": misses, "error": float(abs(got - expected).max())}))
+    """
+)
+
+
+def test_inductor_reuses_pytorchs_disk_cache_in_a_second_process(tmp_path):
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), JAX_PLATFORMS="cpu")
+    runs = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["misses"] >= 1 and first["error"] < 1e-5
+    assert second["hits"] >= 1 and second["misses"] == 0 and second["error"] < 1e-5
+
+
+# ------------------------------------------------------------------- CUDA
+
+
+def _cuda_for_both() -> bool:
+    try:
+        return torch.cuda.is_available() and bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(
+    not _cuda_for_both(),
+    reason="needs a CUDA GPU visible to both PyTorch (torch.cuda.is_available()) and JAX (a CUDA jaxlib); none here",
+)
+def test_cuda_graph_replay_matches_pure_jax_with_new_values():
+    jax.config.update("jax_default_matmul_precision", "highest")
+    f = t2j_ad.jaxify(_t_loss, compile="graph")
+    per_example = jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0, 0)))
+    reference = jax.jit(jax.vmap(jax.grad(_j_loss), in_axes=(None, 0, 0)))
+    w, xs, ys = (jax.device_put(a, jax.devices("gpu")[0]) for a in (W, XS, YS))
+    with no_fallback():
+        for scale in (1.0, 0.5, -2.0):  # first call traces, second captures, later ones replay
+            assert_tree_allclose(per_example(w * scale, xs, ys), reference(w * scale, xs, ys), rtol=1e-4, atol=1e-5)
+    (entry,) = f._cache.values()
+    artifacts = list(entry.base.__dict__["graphs"].values())
+    assert any(a.cuda_graph is not None and a.cuda_graph.graph is not None for a in artifacts)
