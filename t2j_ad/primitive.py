@@ -7,9 +7,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import backends
-from ._jax_internals import ShapedArray, hold_weakly_in_jax_caches, make_primitive, register_rules
+from ._jax_internals import (
+    ShapedArray,
+    hold_weakly_in_jax_caches,
+    make_primitive,
+    register_rules,
+    require_devices_during_lowering,
+)
 from .rules.batching import torch_call_batch
 from .rules.jvp import torch_call_jvp
+from .rules.partitioning import partitionable
 from .rules.transpose import torch_call_transpose
 from .torch_fn import TorchFn
 
@@ -37,5 +44,6 @@ register_rules(
     jvp=torch_call_jvp,
     transpose=torch_call_transpose,
     batch=torch_call_batch,
-    lowering=torch_call_lowering,
+    lowering=partitionable(torch_call_lowering),  # NOTE [partitioning torch_call]
 )
+require_devices_during_lowering(torch_call_p)  # the partitioned lowering reads the mesh
