@@ -8,7 +8,10 @@ PY="${T2J_AD_VENV:-.venv}/bin/python"
 export JAX_PLATFORMS=cpu T2J_AD_TORCH_THREADS=1
 
 echo "== full suite, default backend =="
-"$PY" -m pytest tests -q -p no:cacheprovider "$@"
+"$PY" -m pytest tests -q -p no:cacheprovider --ignore=tests/multidevice "$@"
+
+echo "== 4 simulated devices: sharded jit, shard_map, pmap, 2 processes =="
+XLA_FLAGS=--xla_force_host_platform_device_count=4 "$PY" -m pytest tests/multidevice -q -p no:cacheprovider "$@"
 
 echo "== core tests, callback backend =="
 T2J_AD_BACKEND=callback "$PY" -m pytest -q -p no:cacheprovider \

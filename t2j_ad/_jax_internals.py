@@ -39,6 +39,12 @@ from jax._src.util import weakref_cache_key_types
 # under pmap.
 from jax._src.sharding_impls import ShardingContext
 
+# Varying manual axes (shard_map's check_vma): which mesh axes a value differs
+# over. lax ops make their operands agree (auto_insert_reshard inserts pvary,
+# whose transpose is psum) and give results the same axes.
+from jax._src import core as _core
+from jax._src.mesh import get_abstract_mesh
+
 float0 = jax.dtypes.float0
 
 __all__ = [
@@ -49,7 +55,9 @@ __all__ = [
     "hold_weakly_in_jax_caches",
     "lower_fun",
     "make_primitive",
+    "match_varying",
     "partitioned_devices",
+    "result_aval",
     "register_rules",
     "require_devices_during_lowering",
 ]
@@ -69,6 +77,20 @@ def make_primitive(name: str) -> Primitive:
 def lower_fun(fun: Callable[..., Sequence[Any]]) -> Callable[..., Sequence[Any]]:
     """An MLIR lowering rule that traces ``fun`` (JAX code) in place."""
     return mlir.lower_fun(fun, multiple_results=True)
+
+
+def match_varying(args: Sequence[Any]) -> list[Any]:
+    """``args`` varying over the same manual mesh axes (inside shard_map)."""
+    return list(_core.auto_insert_reshard(*args))
+
+
+def result_aval(shape: tuple[int, ...], dtype: Any, ins: Sequence[Any]) -> ShapedArray:
+    """A result's aval, varying over the manual axes its inputs vary over."""
+    varying = _core.standard_vma_rule("torch_call", *ins)
+    if not varying:
+        return ShapedArray(shape, dtype)
+    sharding = jax.sharding.NamedSharding(get_abstract_mesh(), jax.sharding.PartitionSpec())
+    return ShapedArray(shape, dtype, sharding=sharding, manual_axis_type=_core.ManualAxisType(varying=varying))
 
 
 def require_devices_during_lowering(prim: Primitive) -> None:
