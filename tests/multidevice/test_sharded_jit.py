@@ -259,3 +259,23 @@ def test_shard_map_gradient_of_a_replicated_weight(mesh):
 
     grad = jax.jit(jax.shard_map(jax.grad(local_loss), mesh=mesh, in_specs=(P(), P("b")), out_specs=P()))
     assert_tree_allclose(grad(w, x), jax.grad(lambda w: _jax_loss(w, x).sum())(w))
+
+
+def test_gspmd_partitioner_also_splits(mesh):
+    # Shardy is JAX 0.10's default; the GSPMD partitioner still exists and
+    # uses the infer_sharding_from_operands callback instead of the rule.
+    previous = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        rows = []
+        f = t2j_ad.jaxify(_torch_loss(rows), vmap_method="sequential")
+        w, x = _data()
+        xs = jax.device_put(x, NamedSharding(mesh, P("b")))
+        g = _per_example_grads(f)
+        assert _all_gathers(_hlo(g, w, xs)) == 0
+        out = g(w, xs)
+        assert_tree_allclose(out, jax.vmap(jax.grad(_jax_loss), (None, 0))(w, x))
+        assert out.sharding.spec == P("b")
+        assert len(rows) == B
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", previous)
