@@ -111,6 +111,22 @@ def test_sequential_rows_without_partitioning_are_replicated(mesh, monkeypatch):
     assert len(rows) == 4 * B
 
 
+def test_uneven_batch_stays_replicated_and_correct(mesh):
+    # 6 rows do not split over 4 devices: the partition callback keeps the
+    # call replicated, each device computing all 6.
+    rows = []
+    f = t2j_ad.jaxify(_torch_loss(rows), vmap_method="sequential")
+    w, x = _data()
+    xs = jax.device_put(x, NamedSharding(mesh, P("b")))
+
+    def first_six(w, x):
+        six = jax.lax.with_sharding_constraint(x[:6], NamedSharding(mesh, P("b")))
+        return jax.vmap(jax.grad(f), (None, 0))(w, six)
+
+    assert_tree_allclose(jax.jit(first_six)(w, xs), jax.vmap(jax.grad(_jax_loss), (None, 0))(w, x[:6]))
+    assert len(rows) == 4 * 6
+
+
 def test_per_example_hessians_and_jvps(mesh):
     f = t2j_ad.jaxify(lambda w, x: (torch.tanh(x @ w) ** 2))
     w, x = _data()
