@@ -39,6 +39,10 @@ from jax._src.util import weakref_cache_key_types
 # under pmap.
 from jax._src.sharding_impls import ShardingContext
 
+# Partitioning a custom call (experimental in JAX 0.10; Shardy reads the
+# SdyShardingRule, the GSPMD partitioner the inference callback).
+from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
+
 # Varying manual axes (shard_map's check_vma): which mesh axes a value differs
 # over. lax ops make their operands agree (auto_insert_reshard inserts pvary,
 # whose transpose is psum) and give results the same axes.
@@ -48,6 +52,9 @@ from jax._src.mesh import get_abstract_mesh
 float0 = jax.dtypes.float0
 
 __all__ = [
+    "ArrayMapping",
+    "SdyShardingRule",
+    "custom_partitioning",
     "Primitive",
     "ShapedArray",
     "buffer_callback",

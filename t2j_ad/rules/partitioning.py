@@ -44,11 +44,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._jax_internals import lower_fun, partitioned_devices
+from .._jax_internals import ArrayMapping, SdyShardingRule, custom_partitioning, lower_fun, partitioned_devices
 from ..torch_fn import BaseFn, Jvp, TorchFn, Vjp, Vmap
 
 
@@ -94,15 +95,17 @@ def batch_map(fun: TorchFn) -> BatchMap | None:
 # Global BaseFn -> {local size: its per-device copy}. Weak keys: the copies
 # go with the function; they do not refer back to it.
 _local_bases: weakref.WeakKeyDictionary[BaseFn, dict[int, BaseFn]] = weakref.WeakKeyDictionary()
+_local_bases_lock = threading.Lock()  # XLA may compile on several threads
 
 
 def _local_base(base: BaseFn, size: int) -> BaseFn:
     """``base`` with its declared leading axis ``size`` long, made once."""
-    by_size = _local_bases.setdefault(base, {})
-    local = by_size.get(size)
-    if local is None:
-        local = by_size[size] = base.with_leading_size(size)
-    return local
+    with _local_bases_lock:
+        by_size = _local_bases.setdefault(base, {})
+        local = by_size.get(size)
+        if local is None:
+            local = by_size[size] = base.with_leading_size(size)
+        return local
 
 
 def local_fun(fun: TorchFn, size: int) -> TorchFn:
@@ -142,8 +145,6 @@ def _named(mesh: Any, ndim: int, dim: int | None, axes: tuple[str, ...]) -> Any:
 
 
 def _sharding_rule(fun: TorchFn, bm: BatchMap) -> Any:
-    from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
-
     others: list[str] = []
 
     def mapping(prefix: str, ndim: int, dim: int | None) -> Any:
@@ -163,7 +164,6 @@ def _sharding_rule(fun: TorchFn, bm: BatchMap) -> Any:
 
 def _lower_partitioned(ctx: Any, args: Sequence[Any], fun: TorchFn, bm: BatchMap) -> Sequence[Any]:
     import jax
-    from jax.experimental.custom_partitioning import custom_partitioning
 
     from ..backends import ffi
     from ..primitive import torch_call
@@ -217,6 +217,7 @@ def partitionable(lowering: Callable[..., Sequence[Any]]) -> Callable[..., Seque
     See NOTE [partitioning torch_call]: applies under a sharded jit to a call
     with a mapped axis on the FFI backend; everything else is ``lowering``.
     """
+
     def torch_call_partitioned_lowering(ctx: Any, *args: Any, fun: TorchFn) -> Sequence[Any]:
         if partitioned_devices(ctx) > 1:
             bm = batch_map(fun)
