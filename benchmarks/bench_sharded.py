@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import t2j_ad  # noqa: E402
 
 BATCH, D_IN, HIDDEN = 256, 32, 64
-calls: list[int] = []  # rows of each PyTorch call (a vmapped call counts 1)
+calls: list[int] = []  # one entry per PyTorch call of the loss (a torch.vmap call counts once)
 
 
 def torch_loss(params, x, y):
@@ -72,20 +72,21 @@ def main() -> None:
     rep = jax.device_put(params, NamedSharding(mesh, P()))
     sharded, replicated = put(P("b")), put(P())
 
-    counts = ["| variant | PyTorch calls per step | rows per step, all devices | rows per device | all-gathers in HLO |",
-              "|---|---:|---:|---:|---:|"]
+    counts = [
+        "| variant | PyTorch calls per step | rows per step, all devices | rows per device | all-gathers in HLO |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, data in (("sharded", sharded), ("replicated", replicated)):
+        work = {}
         for method in ("expand_dims", "sequential"):
             g = per_example(t2j_ad.jaxify(torch_loss, vmap_method=method))
-            hlo = g.lower(rep, *data).compile().as_text()
-            jax.block_until_ready(g(rep, *data))
+            gathers = g.lower(rep, *data).compile().as_text().count("all-gather")
+            jax.block_until_ready(g(rep, *data))  # compile, infer shapes
             calls.clear()
             jax.block_until_ready(g(rep, *data))
-            if method == "expand_dims":
-                n_calls = len(calls)
-            else:
-                rows = len(calls)
-        counts.append(f"| {name} | {n_calls} | {rows} | {rows // 4} | {hlo.count('all-gather')} |")
+            work[method] = len(calls)
+        rows = work["sequential"]  # one call a row
+        counts.append(f"| {name} | {work['expand_dims']} | {rows} | {rows // 4} | {gathers} |")
 
     sections = [("PyTorch work (counted by the loss)", "\n".join(counts))]
     f = t2j_ad.jaxify(torch_loss, vmap_method="expand_dims")
