@@ -286,7 +286,8 @@ def _check_batch_argnums(batch_argnums: Any) -> tuple[int, ...] | None:
     if batch_argnums is None:
         return None
     nums = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
-    if not isinstance(nums, (tuple, list)) or not all(isinstance(i, int) and i >= 0 for i in nums):
+    valid = lambda i: isinstance(i, int) and not isinstance(i, bool) and i >= 0  # noqa: E731
+    if not isinstance(nums, (tuple, list)) or not all(valid(i) for i in nums):
         raise TypeError(
             f"jaxify: batch_argnums must be a non-negative int or a tuple of them "
             f"(positions of the batched arguments), got {batch_argnums!r}."

@@ -13,8 +13,18 @@ other test in the session 4 devices too.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
 import pytest
+
+# The tests here import the suite's helpers as ``tests.conftest`` (a plain
+# ``conftest`` would be this file): the repository root must be importable
+# however pytest was started.
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 FLAG = "--xla_force_host_platform_device_count=4"
 

@@ -215,17 +215,6 @@ def test_undeclared_call_is_replicated_and_correct(mesh):
     assert set(shapes) == {(B, D)}  # every device ran the whole batch
 
 
-def test_batch_argnums_is_checked():
-    with pytest.raises(TypeError, match="batch_argnums"):
-        t2j_ad.jaxify(lambda x: x, batch_argnums="x")
-    f = t2j_ad.jaxify(lambda x: x.sum(), batch_argnums=0)
-    with pytest.raises(ValueError, match="leading sizes"):
-        f(jnp.ones((4, 3)))
-    g = t2j_ad.jaxify(lambda x, y: x * y, batch_argnums=1)
-    with pytest.raises(ValueError, match="batch_argnums names argument 1"):
-        g(x=jnp.ones(3), y=jnp.ones(3))
-
-
 def test_partitioned_entries_live_as_long_as_the_executable(mesh):
     # NOTE [registry lifetime]: the per-device TorchFn is registered while XLA
     # compiles, into the outer lowering's holder. It must survive the
