@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set everything up, then run the whole test suite: everything on the default
-# (C++ FFI) backend, then the core tests again on the Python callback backend.
+# (C++ FFI) backend, then tests/multidevice on 4 simulated CPU devices (XLA_FLAGS
+# must be set before JAX starts, hence its own run), then the core tests again
+# on the Python callback backend.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
