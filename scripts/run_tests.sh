@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set everything up, then run the whole test suite: everything on the default
-# (C++ FFI) backend; the core transform tests and the property suite again
-# with every PyTorch function traced (compile="graph"); then the core tests
-# again on the Python callback backend.
+# (C++ FFI) backend; tests/multidevice on 4 simulated CPU devices (XLA_FLAGS
+# must be set before JAX starts, hence its own run); the core transform tests
+# and the property suite again with every PyTorch function traced
+# (compile="graph"); then the core tests again on the Python callback backend.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -10,7 +11,10 @@ PY="${T2J_AD_VENV:-.venv}/bin/python"
 export JAX_PLATFORMS=cpu T2J_AD_TORCH_THREADS=1
 
 echo "== full suite, default backend =="
-"$PY" -m pytest tests -q -p no:cacheprovider "$@"
+"$PY" -m pytest tests -q -p no:cacheprovider --ignore=tests/multidevice "$@"
+
+echo "== 4 simulated devices: sharded jit, shard_map, pmap, 2 processes =="
+XLA_FLAGS=--xla_force_host_platform_device_count=4 "$PY" -m pytest tests/multidevice -q -p no:cacheprovider "$@"
 
 echo "== core transform tests and property suite, compile='graph' =="
 T2J_AD_COMPILE=graph "$PY" -m pytest -q -p no:cacheprovider \

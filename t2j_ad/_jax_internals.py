@@ -21,7 +21,7 @@ from jax.core import ShapedArray
 
 # jax._src.dispatch.apply_primitive is what every lax primitive's impl uses:
 # it jit-compiles the single primitive, so eager calls share the lowering.
-from jax._src.dispatch import apply_primitive
+from jax._src.dispatch import apply_primitive, prim_requires_devices_during_lowering
 
 try:  # JAX >= 0.6: zero-copy CPU/GPU callback on mutable output buffers.
     from jax.experimental.buffer_callback import buffer_callback
@@ -33,9 +33,28 @@ except ImportError:  # pragma: no cover - older JAX; backends/callback.py copes.
 # stay alive (with its PyTorch function and registry entry) in those caches.
 from jax._src.util import weakref_cache_key_types
 
+# The partitioner's view of a lowering: ShardingContext under a sharded jit
+# (the SPMD partitioner runs after lowering), SPMDAxisContext inside
+# shard_map and inside a custom partitioning callback, ReplicaAxisContext
+# under pmap.
+from jax._src.sharding_impls import ShardingContext
+
+# Partitioning a custom call (experimental in JAX 0.10; Shardy reads the
+# SdyShardingRule, the GSPMD partitioner the inference callback).
+from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
+
+# Varying manual axes (shard_map's check_vma): which mesh axes a value differs
+# over. lax ops make their operands agree (auto_insert_reshard inserts pvary,
+# whose transpose is psum) and give results the same axes.
+from jax._src import core as _core
+from jax._src.mesh import get_abstract_mesh
+
 float0 = jax.dtypes.float0
 
 __all__ = [
+    "ArrayMapping",
+    "SdyShardingRule",
+    "custom_partitioning",
     "Primitive",
     "ShapedArray",
     "buffer_callback",
@@ -43,7 +62,11 @@ __all__ = [
     "hold_weakly_in_jax_caches",
     "lower_fun",
     "make_primitive",
+    "match_varying",
+    "partitioned_devices",
+    "result_aval",
     "register_rules",
+    "require_devices_during_lowering",
 ]
 
 
@@ -61,6 +84,39 @@ def make_primitive(name: str) -> Primitive:
 def lower_fun(fun: Callable[..., Sequence[Any]]) -> Callable[..., Sequence[Any]]:
     """An MLIR lowering rule that traces ``fun`` (JAX code) in place."""
     return mlir.lower_fun(fun, multiple_results=True)
+
+
+def match_varying(args: Sequence[Any]) -> list[Any]:
+    """``args`` varying over the same manual mesh axes (inside shard_map)."""
+    return list(_core.auto_insert_reshard(*args))
+
+
+def result_aval(shape: tuple[int, ...], dtype: Any, ins: Sequence[Any]) -> ShapedArray:
+    """A result's aval, varying over the manual axes its inputs vary over."""
+    varying = _core.standard_vma_rule("torch_call", *ins)
+    if not varying:
+        return ShapedArray(shape, dtype)
+    sharding = jax.sharding.NamedSharding(get_abstract_mesh(), jax.sharding.PartitionSpec())
+    return ShapedArray(shape, dtype, sharding=sharding, manual_axis_type=_core.ManualAxisType(varying=varying))
+
+
+def require_devices_during_lowering(prim: Primitive) -> None:
+    """Make jit hand ``prim``'s lowering the device assignment, as it does for
+    ``custom_partitioning`` and ``pure_callback`` (partitioned_devices needs it)."""
+    prim_requires_devices_during_lowering.add(prim)
+
+
+def partitioned_devices(ctx: Any) -> int:
+    """How many devices XLA's SPMD partitioner will split this lowering over.
+
+    Greater than 1 only under a sharded ``jax.jit`` (a ``ShardingContext``);
+    inside ``shard_map``, ``pmap`` or a partitioning callback the lowering is
+    already per device, so 1.
+    """
+    axis_context = ctx.module_context.axis_context
+    if isinstance(axis_context, ShardingContext):
+        return axis_context.num_devices
+    return 1
 
 
 def _tangent_or_none(tangent: Any) -> Any:

@@ -100,12 +100,14 @@ class JaxifiedFunction:
         output_shapes: Any,
         *,
         autograd_vjp: bool = False,
+        batch_argnums: int | tuple[int, ...] | None = None,
         compile: str | None = None,
     ):
         if not callable(torch_fn):
             raise TypeError(f"jaxify: torch_fn must be callable, got {type(torch_fn).__name__}.")
         if vmap_method not in VMAP_METHODS:
             raise ValueError(f"jaxify: vmap_method must be one of {VMAP_METHODS}, got {vmap_method!r}.")
+        self.batch_argnums = _check_batch_argnums(batch_argnums)
         self.torch_fn = torch_fn
         self.vmap_method = vmap_method
         self.compile = resolve_compile_mode(compile, "jaxify")
@@ -228,9 +230,36 @@ class JaxifiedFunction:
             autograd_vjp=self.autograd_vjp,
             direct=direct,
             direct_single=direct is not None and flat.single_tensor,
+            batch_in_dims=self._batch_in_dims(in_tree, in_avals, out_avals),
             compile=self.compile,
         )
         return _Signature(base, out_tree)
+
+    def _batch_in_dims(
+        self, in_tree: Any, in_avals: tuple[Aval, ...], out_avals: list[Aval]
+    ) -> tuple[int | None, ...] | None:
+        """BaseFn.batch_in_dims for ``batch_argnums``; checks the leading axes agree."""
+        if self.batch_argnums is None:
+            return None
+        args, _ = jax.tree_util.tree_unflatten(in_tree, range(len(in_avals)))
+        mapped = set()
+        for i in self.batch_argnums:
+            if i >= len(args):
+                raise ValueError(
+                    f"jaxify: batch_argnums names argument {i}, but {self.name} was called with "
+                    f"{len(args)} positional argument(s); pass the batched arguments positionally."
+                )
+            mapped.update(jax.tree_util.tree_leaves(args[i]))
+        sizes = {in_avals[k].shape[0] if in_avals[k].shape else None for k in mapped}
+        sizes |= {a.shape[0] if a.shape else None for a in out_avals}
+        if len(sizes) != 1 or None in sizes:
+            raise ValueError(
+                f"jaxify: batch_argnums={self.batch_argnums} declares that {self.name} maps the leading "
+                f"axis of those arguments to the leading axis of every output, but the leading sizes "
+                f"are {sorted(sizes, key=str)} (None: a scalar). Declare only arguments and functions "
+                f"whose every array and output shares one leading batch axis, or leave batch_argnums out."
+            )
+        return tuple(0 if k in mapped else None for k in range(len(in_avals)))
 
     def signature_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Signature, list[jax.Array]]:
         """The cached (or freshly inferred) signature entry, and flat arrays."""
@@ -271,11 +300,25 @@ class JaxifiedFunction:
         }
 
 
+def _check_batch_argnums(batch_argnums: Any) -> tuple[int, ...] | None:
+    if batch_argnums is None:
+        return None
+    nums = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
+    valid = lambda i: isinstance(i, int) and not isinstance(i, bool) and i >= 0  # noqa: E731
+    if not isinstance(nums, (tuple, list)) or not all(valid(i) for i in nums):
+        raise TypeError(
+            f"jaxify: batch_argnums must be a non-negative int or a tuple of them "
+            f"(positions of the batched arguments), got {batch_argnums!r}."
+        )
+    return tuple(sorted(set(nums)))
+
+
 def jaxify(
     torch_fn: Callable[..., Any] | None = None,
     *,
     vmap_method: str = "auto",
     output_shapes: Any = None,
+    batch_argnums: int | tuple[int, ...] | None = None,
     compile: str | None = None,
 ) -> Any:
     """Wrap a PyTorch function as a JAX function.
@@ -294,10 +337,19 @@ def jaxify(
     Functions that cannot be traced run eagerly with one ``FallbackWarning``.
     None (the default) takes ``T2J_AD_COMPILE`` from the environment, else
     ``"eager"``.
+
+    ``batch_argnums`` (positions) declares that ``fn`` maps the leading axis
+    of those arguments elementwise: every array in them and every output
+    share one leading batch axis, and row i of each output depends only on
+    row i of those arguments (the other arguments are shared, e.g.
+    weights). A sharded ``jax.jit`` then runs ``fn`` on each device's rows
+    instead of gathering the batch everywhere (docs/multi-device.md).
     """
     if torch_fn is None:
-        return functools.partial(jaxify, vmap_method=vmap_method, output_shapes=output_shapes, compile=compile)
-    return JaxifiedFunction(torch_fn, vmap_method, output_shapes, compile=compile)
+        return functools.partial(
+            jaxify, vmap_method=vmap_method, output_shapes=output_shapes, batch_argnums=batch_argnums, compile=compile
+        )
+    return JaxifiedFunction(torch_fn, vmap_method, output_shapes, batch_argnums=batch_argnums, compile=compile)
 
 
 def _check_params(params: Any, expected: Mapping[str, jax.Array]) -> None:
@@ -328,7 +380,11 @@ def _check_params(params: Any, expected: Mapping[str, jax.Array]) -> None:
 
 
 def jaxify_module(
-    module: torch.nn.Module, *, vmap_method: str = "auto", compile: str | None = None
+    module: torch.nn.Module,
+    *,
+    vmap_method: str = "auto",
+    batch_argnums: int | tuple[int, ...] | None = None,
+    compile: str | None = None,
 ) -> tuple[Callable[..., Any], dict[str, jax.Array]]:
     """``apply, params`` for a ``torch.nn.Module``.
 
@@ -336,8 +392,10 @@ def jaxify_module(
     (a copy, so later in-place training of the module does not change it).
     ``apply(params, *args, **kwargs)`` runs the module through
     ``torch.func.functional_call``, with its buffers passed as constants, so JAX
-    can differentiate with respect to ``params``. ``vmap_method`` and
-    ``compile`` mean what they mean for ``jaxify``.
+    can differentiate with respect to ``params``. ``batch_argnums`` counts
+    the arguments after ``params`` (``batch_argnums=0``: the first input is a
+    batch the forward maps row by row); ``vmap_method``, ``batch_argnums``
+    and ``compile`` otherwise mean what they mean for ``jaxify``.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"jaxify_module: module must be a torch.nn.Module, got {type(module).__name__}.")
@@ -348,7 +406,9 @@ def jaxify_module(
         return torch.func.functional_call(module, (params, buffers), args, kwargs)
 
     forward.__qualname__ = f"{type(module).__name__}.forward"
-    jaxified = JaxifiedFunction(forward, vmap_method, None, compile=compile)
+    nums = _check_batch_argnums(batch_argnums)
+    shifted = None if nums is None else tuple(i + 1 for i in nums)  # params come first
+    jaxified = JaxifiedFunction(forward, vmap_method, None, batch_argnums=shifted, compile=compile)
 
     def apply(params: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
         _check_params(params, reference)

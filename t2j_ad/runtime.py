@@ -8,6 +8,7 @@ XLA's input and output buffers as torch tensors without copying and call
 from __future__ import annotations
 
 import os
+import threading
 import traceback
 from collections.abc import Sequence
 
@@ -16,7 +17,7 @@ import torch
 from . import graph_mode
 from .convert import jax_dtype
 from .malloc_tuning import tune_malloc
-from .torch_fn import TorchFn, build
+from .torch_fn import Jvp, TorchFn, build
 
 
 class TorchCallError(RuntimeError):
@@ -58,6 +59,18 @@ def not_a_tensor(fn_name: str, where: str, value: object) -> TorchCallError:
         f"{fn_name}: {where} is {type(value).__name__} ({value!r:.60}), not a torch.Tensor; "
         f"return tensors only (torch.tensor(value) for numbers)."
     )
+
+
+# NOTE [forward AD is process-wide]
+# PyTorch's forward-mode AD levels (torch.func.jvp, torch.autograd.forward_ad)
+# are global to the process, not per thread. XLA runs one custom call per
+# device concurrently on its own threads (a sharded jit or pmap over several
+# devices), and two jvps entering and leaving levels at once corrupt each
+# other: tangents come back zero, or PyTorch raises "forward AD level with an
+# invalid index". Calls whose transforms include a Jvp therefore run one at a
+# time; everything else runs concurrently.
+_forward_ad_lock = threading.Lock()
+_forward_ad_held = threading.local()  # .held: this thread holds the lock
 
 
 def _stream_context(stream: int):
@@ -110,6 +123,7 @@ class _Runner:
         # Plain calls must return exactly the declared dtypes; derived ones
         # are cast on copy (see NOTE [64-bit outputs] in api.py): None.
         self.dtypes = (None,) * self.n_out if fun.transforms else fun.base.torch_out_dtypes
+        self.forward_ad = any(isinstance(t, Jvp) for t in fun.transforms)
 
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
         # The hot path of every call (microseconds matter: see
@@ -117,6 +131,9 @@ class _Runner:
         # calls; everything unusual branches off to a method.
         if stream:
             self._on_stream(inputs, outputs, stream)
+            return
+        if self.forward_ad and not getattr(_forward_ad_held, "held", False):
+            self._serialized(inputs, outputs)
             return
         n = _threads or torch_threads()
         if _get_num_threads() != n:
@@ -159,6 +176,15 @@ class _Runner:
         finally:
             _set_grad_enabled(previous)
 
+    def _serialized(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        # NOTE [forward AD is process-wide]
+        with _forward_ad_lock:
+            _forward_ad_held.held = True
+            try:
+                self(inputs, outputs)
+            finally:
+                _forward_ad_held.held = False
+
     def _on_stream(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
         # PyTorch must run on XLA's stream, for the call and the copies.
         with _stream_context(stream):
@@ -179,8 +205,11 @@ class _Runner:
             return results
         self.call = artifact.run
         self.cuda_graph = artifact.cuda_graph
-        # The graph holds every derivative explicitly: no autograd at replay.
+        # The graph holds every derivative explicitly: no autograd at replay,
+        # and no forward-AD level to serialize (NOTE [forward AD is
+        # process-wide]); the trace itself ran under the lock.
         self.grad_enabled = False
+        self.forward_ad = False
         return artifact.run(*inputs)
 
     def _replay_cuda_graph(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> bool:

@@ -18,6 +18,7 @@ The user's callable itself is wrapped in ``BaseFn``, equal by identity.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 from collections.abc import Callable
@@ -113,6 +114,7 @@ class BaseFn:
         autograd_vjp: bool = False,
         direct: Callable[..., Any] | None = None,
         direct_single: bool = False,
+        batch_in_dims: tuple[int | None, ...] | None = None,
         compile: str = "eager",
     ):
         self.fn = fn
@@ -141,8 +143,27 @@ class BaseFn:
         # Reverse mode by torch.autograd.grad from the start, never trying
         # torch.func.vjp (see NOTE [fallbacks] in rules/fallbacks.py).
         self.autograd_vjp = autograd_vjp
+        # Declared batch-mapped (jaxify's batch_argnums): 0 for each flat
+        # input whose leading axis the function maps elementwise, None for the
+        # others; None when not declared. Every output is mapped at axis 0.
+        # (NOTE [partitioning torch_call] in rules/partitioning.py.)
+        self.batch_in_dims = batch_in_dims
         self.built: dict[tuple[Transform, ...], Callable[..., tuple[Any, ...]]] = {}
         self.lock = threading.Lock()
+
+    def with_leading_size(self, size: int) -> BaseFn:
+        """A new BaseFn of the same function on ``size`` rows of its mapped axis."""
+        local = copy.copy(self)
+        local.in_avals = tuple(
+            a if d is None else Aval((size,) + a.shape[1:], a.dtype) for a, d in zip(self.in_avals, self.batch_in_dims)
+        )
+        local.out_avals = tuple(Aval((size,) + a.shape[1:], a.dtype) for a in self.out_avals)
+        # What was built or traced for the other avals does not carry over
+        # (the traced graphs: NOTE [graph mode] in graph_mode.py).
+        local.built = {}
+        local.__dict__.pop("graphs", None)
+        local.lock = threading.Lock()
+        return local
 
     def __repr__(self) -> str:
         return f"BaseFn({self.name})"

@@ -245,3 +245,21 @@ def test_clear_caches_forgets_signatures():
     t2j_ad.clear_caches()
     assert_tree_allclose(f(x), jnp.tanh(x) * 2)
     assert counter.meta_calls == 2
+
+
+def test_batch_argnums_is_checked():
+    # What it does on several devices: tests/multidevice/test_sharded_jit.py.
+    with pytest.raises(TypeError, match="batch_argnums"):
+        t2j_ad.jaxify(lambda x: x, batch_argnums="x")
+    with pytest.raises(TypeError, match="batch_argnums"):
+        t2j_ad.jaxify_module(torch.nn.Linear(2, 2), batch_argnums=(True,))
+    f = t2j_ad.jaxify(lambda x: x.sum(), batch_argnums=0)
+    with pytest.raises(ValueError, match="leading sizes"):
+        f(jnp.ones((4, 3)))
+    g = t2j_ad.jaxify(lambda x, y: x * y, batch_argnums=1)
+    with pytest.raises(ValueError, match="batch_argnums names argument 1"):
+        g(x=jnp.ones(3), y=jnp.ones(3))
+    # On one device the declaration changes nothing.
+    h = t2j_ad.jaxify(lambda w, x: torch.tanh(x @ w), batch_argnums=1)
+    w, x = jnp.linspace(-1.0, 1.0, 3), jnp.sin(jnp.arange(12.0)).reshape(4, 3)
+    assert_tree_allclose(jax.jit(jax.grad(lambda w: h(w, x).sum()))(w), jax.grad(lambda w: jnp.tanh(x @ w).sum())(w))

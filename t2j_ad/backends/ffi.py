@@ -92,30 +92,47 @@ def platforms() -> frozenset[str]:
     return _register_targets() if available() else frozenset()
 
 
-class _KeepAlive:
-    """Holds a TorchFn for as long as a compiled executable exists.
+class KeepAlive:
+    """Holds TorchFns for as long as a compiled executable exists.
 
     Passed to ``add_host_callback`` only for its lifetime (NOTE [registry
-    lifetime] in registry.py); XLA never calls it.
+    lifetime] in registry.py); XLA never calls it. ``register`` adds an entry
+    to the registry and holds it here, also after the lowering that made this
+    object (the partitioning callback registers per-device functions into the
+    outer lowering's holder while XLA compiles).
     """
 
-    __slots__ = ("fun",)
+    __slots__ = ("funs",)
 
-    def __init__(self, fun: Any):
-        self.fun = fun
+    def __init__(self) -> None:
+        self.funs: list[Any] = []
+
+    def register(self, fun: Any) -> int:
+        """The registry key of ``fun``, its entry now held by this object."""
+        key, canonical = registry.register(fun)
+        self.funs.append(canonical)
+        return key
 
     def __call__(self, *args: Any) -> None:
         raise RuntimeError("t2j_ad: internal keep-alive object was called")
 
 
-def _unsupported(ctx: Any) -> list[str]:
+def keep_alive(ctx: Any) -> KeepAlive:
+    """A fresh holder tied to the executable that ``ctx`` is lowered into."""
+    keep = KeepAlive()
+    ctx.module_context.add_host_callback(keep)
+    return keep
+
+
+def unsupported(ctx: Any) -> list[str]:
+    """The platforms of ``ctx`` this build has no handler for."""
     supported = platforms()
     return [p for p in ctx.module_context.platforms if p not in supported]
 
 
 def lower(ctx: Any, *args: Any, fun: Any) -> Sequence[Any]:
     """MLIR lowering of ``torch_call`` to the ``t2j_ad_torch_call`` custom call."""
-    missing = _unsupported(ctx)
+    missing = unsupported(ctx)
     if missing:
         # E.g. a CUDA jaxlib with an extension built without the CUDA toolkit.
         from . import callback
@@ -132,6 +149,5 @@ def lower(ctx: Any, *args: Any, fun: Any) -> Sequence[Any]:
                 stacklevel=2,
             )
         return callback.lower(ctx, *args, fun=fun)
-    key, canonical = registry.register(fun)
-    ctx.module_context.add_host_callback(_KeepAlive(canonical))
+    key = keep_alive(ctx).register(fun)
     return jax.ffi.ffi_lowering(TARGET)(ctx, *args, key=np.int64(key))

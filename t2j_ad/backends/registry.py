@@ -19,6 +19,13 @@ into a pointer, so a stale key is an error, not a crash.
   wrapper, which can die first.) So an entry lives while some executable can
   call it or something else (a jaxpr, a jaxify'd function) holds the TorchFn,
   and is dropped by a weakref callback as soon as neither does.
+* Lowerings inside partitioning. Under a sharded jit XLA asks for each
+  device's lowering while it compiles, into a throwaway module whose host
+  callbacks die with it. The outer lowering therefore hands its own holder
+  (``ffi.KeepAlive``, tied to the final executable) to the partition
+  callback, which registers the per-device TorchFn into it: the entry lives
+  exactly as long as that executable (NOTE [partitioning torch_call] in
+  rules/partitioning.py).
 * The hot table. ``runners`` maps a key to its TorchFn's runner (see
   runtime.py) once the key has been dispatched; the C++ handler looks the
   key up there itself and calls the runner, skipping every Python frame of

@@ -1,0 +1,228 @@
+"""Partitioning: how XLA's SPMD partitioner splits a torch_call.
+
+NOTE [partitioning torch_call]
+Under a ``jax.jit`` whose inputs are sharded over several devices, XLA's SPMD
+partitioner has to decide how each op runs per device. An opaque custom call
+is replicated: every operand is all-gathered and every device runs PyTorch
+on the whole batch. ``partitionable`` wraps the lowering so that a call with
+a *mapped axis* is lowered through JAX's ``custom_partitioning`` instead:
+
+* The mapped axis (``batch_map``). A call whose last transform is ``Vmap``
+  maps that batch axis elementwise (``Vmap.in_dims``; outputs at 0). A call
+  of a function declared batch-mapped (``jaxify(..., batch_argnums=...)``,
+  ``BaseFn.batch_in_dims``) maps the leading axis of those inputs and of
+  every output; the Jvp / Vjp / inner Vmap transforms above it carry that
+  axis along: a tangent is mapped like its primal, a cotangent like its
+  output, and the cotangent of a shared input (module parameters) is a sum
+  over the mapped axis ("summed" outputs, ``None`` in ``out_dims``).
+* The Shardy rule names the mapped axis by one factor ``b`` in every mapped
+  operand and result; every other dimension is its own factor, marked
+  need-replication, so only the mapped axis is ever split.
+* The partition callback reads which mesh axes shard ``b`` and returns a
+  per-device lowering: the same ``BaseFn`` and transform stack with the
+  mapped size replaced by the local size (``local_fun``; equal by value, so
+  recompiles reuse its registry key and built PyTorch callable). Summed
+  outputs are ``psum``-ed over those mesh axes. Shared operands are
+  replicated, as JAX would. If the size does not divide evenly, the callback
+  keeps everything replicated (the call as before).
+* Lifetime. XLA calls the partition callback while it compiles, after the
+  outer lowering has finished, and JAX lowers the per-device function into a
+  throwaway module whose host callbacks die with it. So the outer lowering
+  creates a ``ffi.KeepAlive`` tied to the final executable and the callback
+  registers the per-device TorchFn into it: its registry entry lives exactly
+  as long as the executable (NOTE [registry lifetime] in registry.py).
+* Only the FFI backend is partitioned. ``buffer_callback`` names its Python
+  callable by an index into the module's host callbacks, which a throwaway
+  module cannot provide, so the callback backend stays replicated (correct,
+  4x the work on 4 devices).
+
+Without a mapped axis (a plain call not declared batch-mapped, a reduction
+such as a loss's gradient) the call stays replicated, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._jax_internals import ArrayMapping, SdyShardingRule, custom_partitioning, lower_fun, partitioned_devices
+from ..torch_fn import BaseFn, Jvp, TorchFn, Vjp, Vmap
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchMap:
+    """The mapped axis of each input and output of a TorchFn.
+
+    ``in_dims[i]``: the axis of input i (None: shared, replicated).
+    ``out_dims[j]``: the axis of output j (None: summed over the mapped axis).
+    """
+
+    in_dims: tuple[int | None, ...]
+    out_dims: tuple[int | None, ...]
+    size: int
+
+
+def _through(t: Any, in_dims: tuple[int | None, ...], out_dims: tuple[int | None, ...]):
+    """The mapped axes after transform ``t`` (see NOTE [partitioning torch_call])."""
+    if isinstance(t, Jvp):
+        return in_dims + tuple(in_dims[i] for i in t.wrt), tuple(out_dims[j] for j in t.out)
+    if isinstance(t, Vjp):
+        return in_dims + tuple(out_dims[j] for j in t.out), tuple(in_dims[i] for i in t.wrt)
+    # Vmap inserts its own axis: at v in a vmapped input, at 0 in every output.
+    ins = tuple(d if d is None or v is None or v > d else d + 1 for d, v in zip(in_dims, t.in_dims))
+    return ins, tuple(None if d is None else d + 1 for d in out_dims)
+
+
+def batch_map(fun: TorchFn) -> BatchMap | None:
+    """The axis ``fun`` maps elementwise, or None when it has none."""
+    if fun.transforms and isinstance(fun.transforms[-1], Vmap):
+        v = fun.transforms[-1]
+        return BatchMap(v.in_dims, (0,) * len(fun.out_avals), v.axis_size)
+    base = fun.base
+    if base.batch_in_dims is None:
+        return None
+    in_dims: tuple[int | None, ...] = base.batch_in_dims
+    out_dims: tuple[int | None, ...] = (0,) * len(base.out_avals)
+    for t in fun.transforms:
+        in_dims, out_dims = _through(t, in_dims, out_dims)
+    return BatchMap(in_dims, out_dims, base.out_avals[0].shape[0])
+
+
+# Global BaseFn -> {local size: its per-device copy}. Weak keys: the copies
+# go with the function; they do not refer back to it.
+_local_bases: weakref.WeakKeyDictionary[BaseFn, dict[int, BaseFn]] = weakref.WeakKeyDictionary()
+_local_bases_lock = threading.Lock()  # XLA may compile on several threads
+
+
+def _local_base(base: BaseFn, size: int) -> BaseFn:
+    """``base`` with its declared leading axis ``size`` long, made once."""
+    with _local_bases_lock:
+        by_size = _local_bases.setdefault(base, {})
+        local = by_size.get(size)
+        if local is None:
+            local = by_size[size] = base.with_leading_size(size)
+        return local
+
+
+def local_fun(fun: TorchFn, size: int) -> TorchFn:
+    """``fun`` on ``size`` rows of its mapped axis (equal by value on every call)."""
+    if fun.transforms and isinstance(fun.transforms[-1], Vmap):
+        return fun.parent().append(dataclasses.replace(fun.transforms[-1], axis_size=size))
+    local = TorchFn.of(_local_base(fun.base, size))
+    for t in fun.transforms:
+        local = local.append(t)
+    return local
+
+
+def _axes_of(sharding: Any, dim: int) -> tuple[str, ...]:
+    spec = getattr(sharding, "spec", None)
+    if spec is None or dim >= len(spec) or spec[dim] is None:
+        return ()
+    entry = spec[dim]
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _batch_axes(bm: BatchMap, mesh: Any, arg_shapes: Sequence[Any]) -> tuple[str, ...]:
+    """The mesh axes the mapped axis is split over; () to stay replicated."""
+    for shape, d in zip(arg_shapes, bm.in_dims):
+        if d is not None:
+            axes = _axes_of(shape.sharding, d)
+            if axes:
+                n = math.prod(mesh.shape[a] for a in axes)
+                return axes if bm.size % n == 0 else ()
+    return ()
+
+
+def _named(mesh: Any, ndim: int, dim: int | None, axes: tuple[str, ...]) -> Any:
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    entry = None if not axes else axes[0] if len(axes) == 1 else axes
+    return NamedSharding(mesh, PartitionSpec(*[entry if k == dim else None for k in range(ndim)]))
+
+
+def _sharding_rule(fun: TorchFn, bm: BatchMap) -> Any:
+    others: list[str] = []
+
+    def mapping(prefix: str, ndim: int, dim: int | None) -> Any:
+        factors = []
+        for k in range(ndim):
+            if k == dim:
+                factors.append("b")
+            else:
+                factors.append(f"{prefix}_{k}")
+                others.append(factors[-1])
+        return ArrayMapping(*factors)
+
+    operands = tuple(mapping(f"i{i}", len(a.shape), d) for i, (a, d) in enumerate(zip(fun.in_avals, bm.in_dims)))
+    results = tuple(mapping(f"o{j}", len(a.shape), d) for j, (a, d) in enumerate(zip(fun.out_avals, bm.out_dims)))
+    return SdyShardingRule(operands, results, need_replication_factors=tuple(others))
+
+
+def _lower_partitioned(ctx: Any, args: Sequence[Any], fun: TorchFn, bm: BatchMap) -> Sequence[Any]:
+    import jax
+
+    from ..backends import ffi
+    from ..primitive import torch_call
+
+    keep = ffi.keep_alive(ctx)
+
+    def call(*xs: Any) -> tuple[Any, ...]:
+        return tuple(torch_call(xs, fun))
+
+    def shardings(mesh: Any, axes: tuple[str, ...]):
+        ins = tuple(_named(mesh, len(a.shape), d, axes) for a, d in zip(fun.in_avals, bm.in_dims))
+        outs = tuple(_named(mesh, len(a.shape), d, axes) for a, d in zip(fun.out_avals, bm.out_dims))
+        return ins, outs
+
+    def infer(mesh: Any, arg_shapes: Sequence[Any], result_shape: Any) -> tuple[Any, ...]:
+        return shardings(mesh, _batch_axes(bm, mesh, arg_shapes))[1]
+
+    def partition(mesh: Any, arg_shapes: Sequence[Any], result_shape: Any):
+        axes = _batch_axes(bm, mesh, arg_shapes)
+        n = math.prod(mesh.shape[a] for a in axes)
+        local = local_fun(fun, bm.size // n) if axes else fun
+        keep.register(local)  # alive as long as the executable (see NOTE)
+        summed = [d is None and bool(axes) for d in bm.out_dims]
+
+        def lower(*xs: Any) -> tuple[Any, ...]:
+            outs = torch_call(xs, local)
+            return tuple(jax.lax.psum(o, axes) if s else o for o, s in zip(outs, summed))
+
+        ins, outs = shardings(mesh, axes)
+        return mesh, lower, outs, ins
+
+    partitioned = custom_partitioning(call)
+    partitioned.def_partition(
+        partition,
+        infer_sharding_from_operands=infer,
+        sharding_rule=_sharding_rule(fun, bm),
+    )
+    return lower_fun(lambda *xs: list(partitioned(*xs)))(ctx, *args)
+
+
+def _ffi_lowers(ctx: Any) -> bool:
+    from .. import backends
+    from ..backends import ffi
+
+    return backends.select() is ffi and not ffi.unsupported(ctx)
+
+
+def partitionable(lowering: Callable[..., Sequence[Any]]) -> Callable[..., Sequence[Any]]:
+    """``lowering`` (torch_call's), partitioned where XLA splits the call.
+
+    See NOTE [partitioning torch_call]: applies under a sharded jit to a call
+    with a mapped axis on the FFI backend; everything else is ``lowering``.
+    """
+
+    def torch_call_partitioned_lowering(ctx: Any, *args: Any, fun: TorchFn) -> Sequence[Any]:
+        if partitioned_devices(ctx) > 1:
+            bm = batch_map(fun)
+            if bm is not None and bm.size > 0 and _ffi_lowers(ctx):
+                return _lower_partitioned(ctx, args, fun, bm)
+        return lowering(ctx, *args, fun=fun)
+
+    return torch_call_partitioned_lowering

@@ -1,0 +1,279 @@
+"""torch_call on 4 simulated CPU devices: sharded jit, shard_map, pmap.
+
+See NOTE [partitioning torch_call] in t2j_ad/rules/partitioning.py. Every
+result is held against the same math in pure JAX; PyTorch's own view (the
+shapes it is called with, the rows it computes) is recorded by the PyTorch
+functions themselves.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import t2j_ad
+from t2j_ad.backends import registry
+from tests.conftest import assert_tree_allclose
+
+B, D = 16, 3
+
+
+def _mesh(shape=(4,), names=("b",)):
+    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+@pytest.fixture
+def mesh():
+    return _mesh()
+
+
+def _data():
+    x = jnp.sin(jnp.arange(B * D, dtype=jnp.float32).reshape(B, D))
+    w = jnp.linspace(-1.0, 1.0, D, dtype=jnp.float32)
+    return w, x
+
+
+def _torch_loss(rows):
+    def loss(w, x):
+        if x.device.type != "meta":  # not the shape inference
+            rows.append(tuple(x.shape))
+        return torch.tanh(x @ w) ** 2
+
+    return loss
+
+
+def _jax_loss(w, x):
+    return jnp.tanh(x @ w) ** 2
+
+
+def _hlo(fn, *args):
+    return fn.lower(*args).compile().as_text()
+
+
+def _all_gathers(hlo):
+    return hlo.count("all-gather")
+
+
+def _per_example_grads(loss):
+    return jax.jit(jax.vmap(jax.grad(loss), (None, 0)))
+
+
+@pytest.fixture
+def partitioner(request):
+    """Shardy (JAX 0.10's default, reads the sharding rule) or GSPMD (reads
+    the infer_sharding_from_operands callback)."""
+    previous = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
+    yield request.param
+    jax.config.update("jax_use_shardy_partitioner", previous)
+
+
+@pytest.mark.parametrize(
+    "vmap_method, partitioner",
+    [("sequential", "shardy"), ("expand_dims", "shardy"), ("sequential", "gspmd")],
+    indirect=["partitioner"],
+)
+def test_per_example_gradients_stay_sharded(mesh, vmap_method, partitioner):
+    rows = []
+    f = t2j_ad.jaxify(_torch_loss(rows), vmap_method=vmap_method)
+    w, x = _data()
+    xs = jax.device_put(x, NamedSharding(mesh, P("b")))
+    g = _per_example_grads(f)
+    assert _all_gathers(_hlo(g, w, xs)) == 0
+    out = g(w, xs)
+    assert_tree_allclose(out, jax.vmap(jax.grad(_jax_loss), (None, 0))(w, x))
+    assert out.sharding.spec == P("b")
+    if vmap_method == "sequential":
+        # One PyTorch call per row: the 4 devices did 16 rows between them,
+        # each its own 4, not 4 x 16 as when the batch is gathered.
+        assert len(rows) == B
+    g(w, xs)
+    assert g._cache_size() == 1  # the partitioned lowering retraces nothing
+
+
+def test_sequential_rows_without_partitioning_are_replicated(mesh, monkeypatch):
+    # The callback backend stays replicated (NOTE [partitioning torch_call]):
+    # correct, but every device runs the whole batch.
+    monkeypatch.setenv("T2J_AD_BACKEND", "callback")
+    rows = []
+    f = t2j_ad.jaxify(_torch_loss(rows), vmap_method="sequential")
+    w, x = _data()
+    xs = jax.device_put(x, NamedSharding(mesh, P("b")))
+    out = _per_example_grads(f)(w, xs)
+    assert_tree_allclose(out, jax.vmap(jax.grad(_jax_loss), (None, 0))(w, x))
+    assert len(rows) == 4 * B
+
+
+def test_uneven_batch_stays_replicated_and_correct(mesh):
+    # 6 rows do not split over 4 devices: the partition callback keeps the
+    # call replicated, each device computing all 6.
+    rows = []
+    f = t2j_ad.jaxify(_torch_loss(rows), vmap_method="sequential")
+    w, x = _data()
+    xs = jax.device_put(x, NamedSharding(mesh, P("b")))
+
+    def first_six(w, x):
+        six = jax.lax.with_sharding_constraint(x[:6], NamedSharding(mesh, P("b")))
+        return jax.vmap(jax.grad(f), (None, 0))(w, six)
+
+    assert_tree_allclose(jax.jit(first_six)(w, xs), jax.vmap(jax.grad(_jax_loss), (None, 0))(w, x[:6]))
+    assert len(rows) == 4 * 6
+
+
+def test_per_example_hessians_and_jvps(mesh):
+    f = t2j_ad.jaxify(lambda w, x: (torch.tanh(x @ w) ** 2))
+    w, x = _data()
+    xs = jax.device_put(x, NamedSharding(mesh, P("b")))
+    hess = jax.jit(jax.vmap(jax.hessian(f), (None, 0)))
+    assert _all_gathers(_hlo(hess, w, xs)) == 0
+    assert_tree_allclose(hess(w, xs), jax.vmap(jax.hessian(_jax_loss), (None, 0))(w, x), rtol=1e-4, atol=1e-5)
+    tangent = jnp.ones_like(w)
+    jvp = jax.jit(jax.vmap(lambda w, x: jax.jvp(lambda w: f(w, x), (w,), (tangent,)), (None, 0)))
+    expected = jax.vmap(lambda w, x: jax.jvp(lambda w: _jax_loss(w, x), (w,), (tangent,)), (None, 0))(w, x)
+    assert_tree_allclose(jvp(w, xs), expected)
+
+
+def test_two_dimensional_mesh():
+    mesh = _mesh((2, 2), ("x", "y"))
+    rows = []
+    f = t2j_ad.jaxify(_torch_loss(rows), vmap_method="sequential")
+    w, x = _data()
+    for spec in (P(("x", "y")), P("x")):
+        rows.clear()
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        g = _per_example_grads(f)
+        assert _all_gathers(_hlo(g, w, xs)) == 0
+        assert_tree_allclose(g(w, xs), jax.vmap(jax.grad(_jax_loss), (None, 0))(w, x))
+        # Split over both axes: 16 rows in all; over "x" alone, the two
+        # devices along "y" hold the same rows and both compute them.
+        assert len(rows) == (B if spec == P(("x", "y")) else 2 * B)
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes = shapes
+        self.fc1 = torch.nn.Linear(D, 5)
+        self.fc2 = torch.nn.Linear(5, 2)
+
+    def forward(self, x):
+        if x.device.type != "meta":
+            self.shapes.append(tuple(x.shape))
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _jax_mlp(p, x):
+    h = jnp.tanh(x @ p["fc1.weight"].T + p["fc1.bias"])
+    return h @ p["fc2.weight"].T + p["fc2.bias"]
+
+
+def _module(mesh, **kwargs):
+    torch.manual_seed(0)
+    shapes = []
+    apply, params = t2j_ad.jaxify_module(_Mlp(shapes), **kwargs)
+    return apply, jax.device_put(params, NamedSharding(mesh, P())), shapes
+
+
+def _mse(apply):
+    return lambda p, x, y: jnp.mean((apply(p, x) - y) ** 2)
+
+
+def test_declared_module_forward_and_grad(mesh):
+    apply, params, shapes = _module(mesh, batch_argnums=0)
+    _, x = _data()
+    y = jnp.cos(jnp.arange(B * 2, dtype=jnp.float32).reshape(B, 2))
+    xs, ys = (jax.device_put(a, NamedSharding(mesh, P("b"))) for a in (x, y))
+    forward = jax.jit(apply)
+    assert _all_gathers(_hlo(forward, params, xs)) == 0
+    out = forward(params, xs)
+    assert out.sharding.spec == P("b")
+    assert_tree_allclose(out, _jax_mlp(params, x))
+    assert shapes == [(B // 4, D)] * 4  # each device's call saw its own rows
+
+    step = jax.jit(jax.value_and_grad(_mse(apply)))
+    # The parameter gradient is a sum over rows: one all-reduce of it, no
+    # gather of the batch.
+    assert _all_gathers(_hlo(step, params, xs, ys)) == 0
+    shapes.clear()
+    assert_tree_allclose(step(params, xs, ys), jax.value_and_grad(_mse(_jax_mlp))(params, x, y))
+    assert set(shapes) == {(B // 4, D)}
+
+
+def test_undeclared_call_is_replicated_and_correct(mesh):
+    apply, params, shapes = _module(mesh)
+    _, x = _data()
+    xs = jax.device_put(x, NamedSharding(mesh, P("b")))
+    out = jax.jit(apply)(params, xs)
+    assert_tree_allclose(out, _jax_mlp(params, x))
+    assert set(shapes) == {(B, D)}  # every device ran the whole batch
+
+
+def test_partitioned_entries_live_as_long_as_the_executable(mesh):
+    # NOTE [registry lifetime]: the per-device TorchFn is registered while XLA
+    # compiles, into the outer lowering's holder. It must survive the
+    # throwaway lowering it was made in and go with the executable.
+    w, x = _data()
+    xs = jax.device_put(x, NamedSharding(mesh, P("b")))
+    jax.clear_caches()
+    gc.collect()
+    baseline = registry.size()
+    f = t2j_ad.jaxify(lambda w, x: torch.tanh(x @ w) ** 2)
+    compiled = _per_example_grads(f).lower(w, xs).compile()
+    del f
+    jax.clear_caches()
+    gc.collect()
+    assert registry.size() > baseline
+    assert_tree_allclose(compiled(w, xs), jax.vmap(jax.grad(_jax_loss), (None, 0))(w, x))
+    del compiled
+    gc.collect()
+    assert registry.size() == baseline
+
+
+def _recording_sin2():
+    shapes = []
+
+    def fn(x):
+        if x.device.type != "meta":
+            shapes.append(tuple(x.shape))
+        return torch.sin(x) * 2
+
+    return t2j_ad.jaxify(fn), shapes
+
+
+def test_shard_map_sees_the_local_shard(mesh):
+    f, shapes = _recording_sin2()
+    _, x = _data()
+    mapped = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("b"), out_specs=P("b")))
+    assert_tree_allclose(mapped(x), jnp.sin(x) * 2)
+    assert shapes == [(B // 4, D)] * 4
+    grad = jax.jit(jax.shard_map(jax.grad(lambda x: f(x).sum()), mesh=mesh, in_specs=P("b"), out_specs=P("b")))
+    assert_tree_allclose(grad(x), 2 * jnp.cos(x))
+
+
+def test_pmap_sees_the_local_shard():
+    f, shapes = _recording_sin2()
+    _, x = _data()
+    x4 = x.reshape(4, B // 4, D)
+    assert_tree_allclose(jax.pmap(f)(x4), jnp.sin(x4) * 2)
+    assert shapes == [(B // 4, D)] * 4
+    assert_tree_allclose(jax.pmap(jax.grad(lambda x: f(x).sum()))(x4), 2 * jnp.cos(x4))
+
+
+def test_shard_map_gradient_of_a_replicated_weight(mesh):
+    # The weight is the same on every device and x varies: torch_call makes
+    # them agree (pvary), so the weight's cotangent is summed over devices.
+    f = t2j_ad.jaxify(lambda w, x: torch.tanh(x @ w) ** 2)
+    w, x = _data()
+
+    def local_loss(w, x):
+        return jax.lax.psum(f(w, x).sum(), "b")
+
+    grad = jax.jit(jax.shard_map(jax.grad(local_loss), mesh=mesh, in_specs=(P(), P("b")), out_specs=P()))
+    assert_tree_allclose(grad(w, x), jax.grad(lambda w: _jax_loss(w, x).sum())(w))
