@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from . import registration  # noqa: F401 - registers torch_call's rules before any call
 from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, t2j, torch_dtype
 from .inference import infer_outputs
 from .primitive import torch_call

@@ -15,7 +15,8 @@ import torch
 
 from .convert import jax_dtype
 from .malloc_tuning import tune_malloc
-from .torch_fn import TorchFn, build
+from .torch_fn import TorchFn
+from .transforms import build
 
 
 class TorchCallError(RuntimeError):
