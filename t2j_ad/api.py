@@ -88,6 +88,11 @@ class _Signature:
 class JaxifiedFunction:
     """A PyTorch function callable from JAX under every transform.
 
+    What ``jaxify`` returns (``jaxify_module``'s ``apply`` holds one as
+    ``apply.jaxified``). Calling it flattens the arguments, looks their
+    signature (tree structure, shapes, dtypes) up in a per-function cache,
+    inferring the outputs on a miss, and binds one ``torch_call``.
+
     ``autograd_vjp=True`` computes reverse mode with ``torch.autograd.grad``
     instead of trying ``torch.func.vjp`` first (see NOTE [fallbacks]).
     """
@@ -245,6 +250,7 @@ class JaxifiedFunction:
         return jax.tree_util.tree_unflatten(entry.out_tree, outs)
 
     def clear_cache(self) -> None:
+        """Forget this function's inferred signatures (``t2j_ad.clear_caches`` does every function's)."""
         with self._lock:
             self._cache.clear()
 
@@ -260,9 +266,32 @@ def jaxify(
     ``jaxify(fn)``, ``@jaxify`` or ``@jaxify(vmap_method=...)``. The result
     takes pytrees of JAX arrays (NumPy arrays and Python scalars accepted) and
     returns the pytree ``fn`` returns, as JAX arrays. It works under
-    ``jax.jit`` and every JAX transform. Output shapes are inferred per input
-    signature (meta device, else one call on zeros) unless ``output_shapes``
-    (a pytree of ``jax.ShapeDtypeStruct``) is given.
+    ``jax.jit`` and every JAX transform (``grad``, ``jacfwd``, ``jacrev``,
+    ``hessian``, ``jvp``, ``linearize``, ``vmap``, ``lax.scan``,
+    ``checkpoint``), composed to any depth: each derivative or batch is
+    computed by PyTorch itself (``torch.func.jvp``, ``torch.func.vjp``,
+    ``torch.vmap``).
+
+    Args:
+        torch_fn: the PyTorch function: tensors (or pytrees of tensors) in,
+            a tensor or a pytree of tensors out. Omit it to get a decorator.
+        vmap_method: how a batch reaches PyTorch under ``jax.vmap``:
+            ``"expand_dims"`` (one ``torch.vmap`` call, unbatched arguments
+            passed once), ``"broadcast_all"`` (one ``torch.vmap`` call, every
+            argument batched), ``"sequential"`` (a loop; works for any code)
+            or ``"auto"`` (``expand_dims``, falling back to ``sequential``
+            with one ``FallbackWarning`` when ``torch.vmap`` refuses).
+        output_shapes: a pytree of ``jax.ShapeDtypeStruct`` for the outputs.
+            Without it the outputs are inferred once per input signature, on
+            PyTorch's ``meta`` device (one real call on zeros if an op has no
+            meta kernel).
+
+    Returns:
+        A ``JaxifiedFunction`` (or, without ``torch_fn``, a decorator making one).
+
+    Raises:
+        TypeError: ``torch_fn`` is not callable.
+        ValueError: ``vmap_method`` is not one of the four methods.
     """
     if torch_fn is None:
         return functools.partial(jaxify, vmap_method=vmap_method, output_shapes=output_shapes)
@@ -304,6 +333,19 @@ def jaxify_module(module: torch.nn.Module, *, vmap_method: str = "auto") -> tupl
     ``apply(params, *args, **kwargs)`` runs the module through
     ``torch.func.functional_call``, with its buffers passed as constants, so JAX
     can differentiate with respect to ``params``.
+
+    Args:
+        module: the PyTorch module.
+        vmap_method: as in ``jaxify``.
+
+    Returns:
+        ``(apply, params)``: a JAX function of ``(params, *args, **kwargs)``
+        and the dict of the module's parameters as JAX arrays.
+
+    Raises:
+        TypeError: ``module`` is not a ``torch.nn.Module``; later, from
+            ``apply``: ``params`` lacks a parameter, has an extra one, or one
+            of another shape (the message names it).
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"jaxify_module: module must be a torch.nn.Module, got {type(module).__name__}.")
@@ -328,7 +370,10 @@ def jaxify_module(module: torch.nn.Module, *, vmap_method: str = "auto") -> tupl
 
 def clear_caches() -> None:
     """Forget every inferred signature, built PyTorch transform, registry entry
-    and JAX compilation cache, so memory held for past calls is released."""
+    and JAX compilation cache, so memory held for past calls is released.
+
+    Jaxify'd functions keep working: the next call infers and compiles again.
+    """
     for f in list(_live_functions):
         f.clear_cache()
     try:
