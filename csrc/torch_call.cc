@@ -28,8 +28,15 @@
 #include "pybind11/pybind11.h"
 #include "xla/ffi/api/ffi.h"
 
-#ifdef T2J_AD_WITH_CUDA
-#include <cuda_runtime_api.h>  // cudaStream_t only; nothing is linked.
+// NOTE [one build for CPU and GPU]
+// The CUDA handler needs nothing from CUDA but the type of XLA's stream,
+// which it passes on as an integer (PyTorch wraps it in
+// torch.cuda.ExternalStream). The type is declared here exactly as
+// cuda_runtime_api.h (driver_types.h) declares it, so every build, with or
+// without a CUDA toolkit, contains the CUDA handler, links nothing from CUDA,
+// and loads on machines without a GPU or driver. T2J_AD_NO_CUDA leaves it out.
+#ifndef T2J_AD_NO_CUDA
+typedef struct CUstream_st* cudaStream_t;
 #endif
 
 namespace ffi = xla::ffi;
@@ -331,7 +338,7 @@ ffi::Error TorchCallCpu(int64_t key, ffi::RemainingArgs args,
   return Dispatch(key, args, rets, DLDevice{kDLCPU, 0}, 0);
 }
 
-#ifdef T2J_AD_WITH_CUDA
+#ifndef T2J_AD_NO_CUDA
 // PyTorch runs on XLA's stream (the dispatcher wraps it in
 // torch.cuda.ExternalStream), so no synchronisation is needed here.
 ffi::Error TorchCallCuda(cudaStream_t stream, int32_t device_ordinal,
@@ -350,7 +357,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kTorchCallCpu, TorchCallCpu,
                                   .RemainingArgs()
                                   .RemainingRets());
 
-#ifdef T2J_AD_WITH_CUDA
+#ifndef T2J_AD_NO_CUDA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kTorchCallCuda, TorchCallCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -368,7 +375,7 @@ PYBIND11_MODULE(_ffi_ext, m) {
       [] {
         py::dict out;
         out["cpu"] = py::capsule(reinterpret_cast<void*>(kTorchCallCpu));
-#ifdef T2J_AD_WITH_CUDA
+#ifndef T2J_AD_NO_CUDA
         out["CUDA"] = py::capsule(reinterpret_cast<void*>(kTorchCallCuda));
 #endif
         return out;
@@ -406,7 +413,7 @@ PYBIND11_MODULE(_ffi_ext, m) {
       "live_tensors", [] { return g_live_tensors.load(); },
       "Number of DLPack tensors made by the handler and not yet freed.");
 
-#ifdef T2J_AD_WITH_CUDA
+#ifndef T2J_AD_NO_CUDA
   m.attr("has_cuda") = true;
 #else
   m.attr("has_cuda") = false;

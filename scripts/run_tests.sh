@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# Set everything up, then run the whole test suite: everything on the default
-# (C++ FFI) backend; tests/multidevice on 4 simulated CPU devices (XLA_FLAGS
-# must be set before JAX starts, hence its own run); the core transform tests
-# and the property suite again with every PyTorch function traced
-# (compile="graph"); then the core tests again on the Python callback backend.
+# Set everything up, then the packaging check (an sdist and a wheel built with
+# python -m build, the wheel installed into a fresh venv and smoke-tested),
+# then the whole test suite on the default (C++ FFI) backend (the strict docs
+# build and the link check included: tests/test_docs.py); tests/multidevice on
+# 4 simulated CPU devices (XLA_FLAGS must be set before JAX starts, hence its
+# own run); the core transform tests and the property suite again with every
+# PyTorch function traced (compile="graph"); then the core tests again on the
+# Python callback backend.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 PY="${T2J_AD_VENV:-.venv}/bin/python"
 export JAX_PLATFORMS=cpu T2J_AD_TORCH_THREADS=1
+
+echo "== packaging: sdist + wheel, installed into a fresh venv =="
+bash scripts/check_wheel.sh
 
 echo "== full suite, default backend =="
 "$PY" -m pytest tests -q -p no:cacheprovider --ignore=tests/multidevice "$@"

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from . import registration  # noqa: F401 - registers torch_call's rules before any call
 from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, t2j, torch_dtype
 from . import graph_mode
 from .graph_mode import resolve_compile_mode
@@ -88,6 +89,11 @@ class _Signature:
 
 class JaxifiedFunction:
     """A PyTorch function callable from JAX under every transform.
+
+    What ``jaxify`` returns (``jaxify_module``'s ``apply`` holds one as
+    ``apply.jaxified``). Calling it flattens the arguments, looks their
+    signature (tree structure, shapes, dtypes) up in a per-function cache,
+    inferring the outputs on a miss, and binds one ``torch_call``.
 
     ``autograd_vjp=True`` computes reverse mode with ``torch.autograd.grad``
     instead of trying ``torch.func.vjp`` first (see NOTE [fallbacks]).
@@ -283,6 +289,7 @@ class JaxifiedFunction:
         return jax.tree_util.tree_unflatten(entry.out_tree, outs)
 
     def clear_cache(self) -> None:
+        """Forget this function's inferred signatures (``t2j_ad.clear_caches`` does every function's)."""
         with self._lock:
             self._cache.clear()
 
@@ -326,24 +333,47 @@ def jaxify(
     ``jaxify(fn)``, ``@jaxify`` or ``@jaxify(vmap_method=...)``. The result
     takes pytrees of JAX arrays (NumPy arrays and Python scalars accepted) and
     returns the pytree ``fn`` returns, as JAX arrays. It works under
-    ``jax.jit`` and every JAX transform. Output shapes are inferred per input
-    signature (meta device, else one call on zeros) unless ``output_shapes``
-    (a pytree of ``jax.ShapeDtypeStruct``) is given.
+    ``jax.jit`` and every JAX transform (``grad``, ``jacfwd``, ``jacrev``,
+    ``hessian``, ``jvp``, ``linearize``, ``vmap``, ``lax.scan``,
+    ``checkpoint``), composed to any depth: each derivative or batch is
+    computed by PyTorch itself (``torch.func.jvp``, ``torch.func.vjp``,
+    ``torch.vmap``).
 
-    ``compile`` says how each derived PyTorch function (the function with its
-    transform stack: gradient, batch, ...) runs: ``"eager"`` op by op;
-    ``"graph"`` traced once into an aten graph (fake tensors) and replayed,
-    as a CUDA graph on GPUs; ``"inductor"`` that graph compiled by inductor.
-    Functions that cannot be traced run eagerly with one ``FallbackWarning``.
-    None (the default) takes ``T2J_AD_COMPILE`` from the environment, else
-    ``"eager"``.
+    Args:
+        torch_fn: the PyTorch function: tensors (or pytrees of tensors) in,
+            a tensor or a pytree of tensors out. Omit it to get a decorator.
+        vmap_method: how a batch reaches PyTorch under ``jax.vmap``:
+            ``"expand_dims"`` (one ``torch.vmap`` call, unbatched arguments
+            passed once), ``"broadcast_all"`` (one ``torch.vmap`` call, every
+            argument batched), ``"sequential"`` (a loop; works for any code)
+            or ``"auto"`` (``expand_dims``, falling back to ``sequential``
+            with one ``FallbackWarning`` when ``torch.vmap`` refuses).
+        output_shapes: a pytree of ``jax.ShapeDtypeStruct`` for the outputs.
+            Without it the outputs are inferred once per input signature, on
+            PyTorch's ``meta`` device (one real call on zeros if an op has no
+            meta kernel).
+        batch_argnums: positions of arguments whose leading axis ``fn`` maps
+            elementwise: every array in them and every output share one
+            leading batch axis, and row i of each output depends only on row
+            i of those arguments (the others are shared, e.g. weights). A
+            sharded ``jax.jit`` then runs ``fn`` on each device's rows
+            instead of gathering the batch (docs/multi-device.md).
+        compile: how each derived PyTorch function (the function with its
+            transform stack: gradient, batch, ...) runs: ``"eager"`` op by
+            op; ``"graph"`` traced once into an aten graph (fake tensors)
+            and replayed, as a CUDA graph on GPUs; ``"inductor"`` that graph
+            compiled by inductor. Functions that cannot be traced run
+            eagerly with one ``FallbackWarning`` (docs/compile-modes.md).
+            None (the default) takes ``T2J_AD_COMPILE`` from the
+            environment, else ``"eager"``.
 
-    ``batch_argnums`` (positions) declares that ``fn`` maps the leading axis
-    of those arguments elementwise: every array in them and every output
-    share one leading batch axis, and row i of each output depends only on
-    row i of those arguments (the other arguments are shared, e.g.
-    weights). A sharded ``jax.jit`` then runs ``fn`` on each device's rows
-    instead of gathering the batch everywhere (docs/multi-device.md).
+    Returns:
+        A ``JaxifiedFunction`` (or, without ``torch_fn``, a decorator making one).
+
+    Raises:
+        TypeError: ``torch_fn`` is not callable.
+        ValueError: ``vmap_method`` is not one of the four methods, or
+            ``compile`` (or ``T2J_AD_COMPILE``) is not one of the three modes.
     """
     if torch_fn is None:
         return functools.partial(
@@ -392,10 +422,24 @@ def jaxify_module(
     (a copy, so later in-place training of the module does not change it).
     ``apply(params, *args, **kwargs)`` runs the module through
     ``torch.func.functional_call``, with its buffers passed as constants, so JAX
-    can differentiate with respect to ``params``. ``batch_argnums`` counts
-    the arguments after ``params`` (``batch_argnums=0``: the first input is a
-    batch the forward maps row by row); ``vmap_method``, ``batch_argnums``
-    and ``compile`` otherwise mean what they mean for ``jaxify``.
+    can differentiate with respect to ``params``.
+
+    Args:
+        module: the PyTorch module.
+        vmap_method: as in ``jaxify``.
+        batch_argnums: as in ``jaxify``, counting the arguments after
+            ``params`` (``batch_argnums=0``: the first input is a batch the
+            forward maps row by row).
+        compile: as in ``jaxify``.
+
+    Returns:
+        ``(apply, params)``: a JAX function of ``(params, *args, **kwargs)``
+        and the dict of the module's parameters as JAX arrays.
+
+    Raises:
+        TypeError: ``module`` is not a ``torch.nn.Module``; later, from
+            ``apply``: ``params`` lacks a parameter, has an extra one, or one
+            of another shape (the message names it).
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"jaxify_module: module must be a torch.nn.Module, got {type(module).__name__}.")
@@ -422,7 +466,10 @@ def jaxify_module(
 
 def clear_caches() -> None:
     """Forget every inferred signature, built PyTorch transform, registry entry
-    and JAX compilation cache, so memory held for past calls is released."""
+    and JAX compilation cache, so memory held for past calls is released.
+
+    Jaxify'd functions keep working: the next call infers and compiles again.
+    """
     for f in list(_live_functions):
         f.clear_cache()
     try:

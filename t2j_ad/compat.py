@@ -262,7 +262,12 @@ _SHAPES_CHANGED = (
 
 
 class Torch2JaxFunction:
-    """What ``torch2jax`` and ``torch2jax_with_vjp`` return: a JAX function."""
+    """What ``torch2jax`` and ``torch2jax_with_vjp`` return: a JAX function.
+
+    Call it with arguments shaped like the example arguments; it works under
+    ``jax.jit`` and every JAX transform, to any order. A call with other
+    shapes or dtypes wraps the function again for them, with a warning.
+    """
 
     def __init__(
         self,

@@ -89,10 +89,18 @@ def _is_tensor(x: Any) -> bool:
 
 
 def tree_t2j(tree: Any) -> Any:
-    """Every torch tensor in ``tree`` as a JAX array; other leaves unchanged."""
+    """Every torch tensor in ``tree`` as a JAX array; other leaves unchanged.
+
+    Zero-copy through DLPack: the array shares the tensor's memory (and its
+    device), so the tensor must not be written to afterwards.
+    """
     return jax.tree_util.tree_map(lambda x: t2j(x) if _is_tensor(x) else x, tree, is_leaf=_is_tensor)
 
 
 def tree_j2t(tree: Any) -> Any:
-    """Every JAX array in ``tree`` as a torch tensor; other leaves unchanged."""
+    """Every JAX array in ``tree`` as a torch tensor; other leaves unchanged.
+
+    Zero-copy through DLPack: the tensor shares the array's memory (and its
+    device); JAX arrays are immutable, so do not write into the tensor.
+    """
     return jax.tree_util.tree_map(lambda x: j2t(x) if isinstance(x, jax.Array) else x, tree)

@@ -1,25 +1,18 @@
-"""The torch_call primitive: abstract evaluation, lowering, and the one block
-that registers every rule."""
+"""The torch_call primitive: its definition, ``torch_call`` that binds it, and
+its abstract evaluation.
+
+The ground floor of the JAX side: it imports no rule. The rules
+(``rules/jvp.py``, ``rules/transpose.py``, ``rules/batching.py``,
+``rules/partitioning.py``) import ``torch_call`` from here to re-bind it, and
+``registration.py``, on top, registers them all on the primitive in one block.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from . import backends
-from ._jax_internals import (
-    ShapedArray,
-    hold_weakly_in_jax_caches,
-    make_primitive,
-    match_varying,
-    register_rules,
-    require_devices_during_lowering,
-    result_aval,
-)
-from .rules.batching import torch_call_batch
-from .rules.jvp import torch_call_jvp
-from .rules.partitioning import partitionable
-from .rules.transpose import torch_call_transpose
+from ._jax_internals import ShapedArray, hold_weakly_in_jax_caches, make_primitive, match_varying, result_aval
 from .torch_fn import TorchFn
 
 torch_call_p = make_primitive("torch_call")
@@ -32,20 +25,6 @@ def torch_call(args: Sequence[Any], fun: TorchFn) -> list[Any]:
 
 
 def torch_call_abstract_eval(*avals: Any, fun: TorchFn) -> list[ShapedArray]:
+    """The outputs' shapes and dtypes (``fun`` already knows them), varying
+    over the same mesh axes as the inputs inside ``shard_map``."""
     return [result_aval(a.shape, a.dtype, avals) for a in fun.out_avals]
-
-
-def torch_call_lowering(ctx: Any, *args: Any, fun: TorchFn) -> Sequence[Any]:
-    return backends.select().lower(ctx, *args, fun=fun)
-
-
-register_rules(
-    torch_call_p,
-    impl=None,  # eager calls compile the single primitive, like lax ops
-    abstract_eval=torch_call_abstract_eval,
-    jvp=torch_call_jvp,
-    transpose=torch_call_transpose,
-    batch=torch_call_batch,
-    lowering=partitionable(torch_call_lowering),  # NOTE [partitioning torch_call]
-)
-require_devices_during_lowering(torch_call_p)  # the partitioned lowering reads the mesh

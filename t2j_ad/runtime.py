@@ -17,15 +17,28 @@ import torch
 from . import graph_mode
 from .convert import jax_dtype
 from .malloc_tuning import tune_malloc
-from .torch_fn import Jvp, TorchFn, build
+from .torch_fn import Jvp, TorchFn
+from .transforms import build
 
 
 class TorchCallError(RuntimeError):
-    """An exception raised by the PyTorch function, or a broken result."""
+    """An exception raised by the PyTorch function, or a broken result.
+
+    Raised to the caller of the jaxify'd function (or the computation that
+    runs it) with PyTorch's message and traceback; a result that is not a
+    tensor, or whose shape or dtype differ from the declared ``output_shapes``,
+    gets a message naming the output. The process keeps working.
+    """
 
 
 class InputMutationError(TorchCallError):
-    """The PyTorch function wrote into one of its inputs."""
+    """The PyTorch function wrote into one of its inputs.
+
+    Refused, because JAX arrays are immutable: until a function has run once
+    without mutating its inputs it gets copies, so the caller's arrays are
+    never changed. Clone the input inside the function (``x = x.clone()``)
+    before writing into it.
+    """
 
 
 # NOTE [torch threads]
@@ -46,7 +59,18 @@ def torch_threads() -> int:
 
 
 def set_torch_threads(n: int) -> None:
-    """Set how many CPU threads PyTorch uses inside t2j_ad calls."""
+    """Set how many CPU threads PyTorch uses inside t2j_ad calls.
+
+    The default is half the cores, or the environment variable
+    ``T2J_AD_TORCH_THREADS``: PyTorch's and XLA's thread pools oversubscribe
+    small machines otherwise (NOTE [torch threads]).
+
+    Args:
+        n: the number of threads, at least 1.
+
+    Raises:
+        ValueError: ``n`` is less than 1.
+    """
     global _threads
     if int(n) < 1:
         raise ValueError(f"set_torch_threads: n must be >= 1, got {n}.")

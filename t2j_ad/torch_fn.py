@@ -4,8 +4,8 @@ NOTE [every derivative is a PyTorch function]
 A jaxify'd function reaches JAX as one primitive, ``torch_call``, whose only
 parameter is a ``TorchFn``. The JVP, transpose and batching rules never run
 PyTorch themselves: they bind ``torch_call`` again with one more transform
-appended (``Jvp``, ``Vjp`` or ``Vmap``). At run time ``build`` turns the tuple
-into one PyTorch callable by applying ``torch.func.jvp``, ``torch.func.vjp``
+appended (``Jvp``, ``Vjp`` or ``Vmap``). At run time ``build`` (transforms.py)
+turns the tuple into one PyTorch callable by applying ``torch.func.jvp``, ``torch.func.vjp``
 and ``torch.vmap`` in order (the last two entered at functorch's C++ levels
 directly; NOTE [functorch levels]). Because the derived function is again a
 ``TorchFn``, the rules apply to it again, so derivatives and batches compose
@@ -201,36 +201,3 @@ class TorchFn:
         for t in self.transforms:
             inner = f"{type(t).__name__.lower()}({inner})"
         return inner
-
-
-def stage_avals(fun: TorchFn) -> list[tuple[tuple[Aval, ...], tuple[Aval, ...]]]:
-    """The (in, out) avals before each transform of ``fun``."""
-    stages = []
-    ins, outs = fun.base.in_avals, fun.base.out_avals
-    for t in fun.transforms:
-        stages.append((ins, outs))
-        ins, outs = t.avals(ins, outs)
-    return stages
-
-
-def build(fun: TorchFn) -> Callable[..., tuple[Any, ...]]:
-    """The PyTorch callable computing ``fun``, built once per transform tuple."""
-    base = fun.base
-    built = base.built.get(fun.transforms)
-    if built is not None:
-        return built
-    # Imported here: transforms.py imports torch, and this module must stay
-    # importable for hashing and abstract evaluation alone.
-    from .transforms import apply_transform
-
-    g = base.fn
-    prefix: tuple[Transform, ...] = ()
-    for t, (ins, outs) in zip(fun.transforms, stage_avals(fun)):
-        prefix = prefix + (t,)
-        cached = base.built.get(prefix)
-        if cached is None:
-            cached = apply_transform(t, g, ins, outs, base=base, prefix=prefix)
-            with base.lock:
-                base.built[prefix] = cached
-        g = cached
-    return g

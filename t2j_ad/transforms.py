@@ -1,8 +1,8 @@
-"""Apply one transform (Jvp, Vjp, Vmap) to a flat PyTorch callable.
+"""Build the PyTorch callable of a TorchFn, one transform (Jvp, Vjp, Vmap) at a time.
 
-Called only by ``torch_fn.build``; see NOTE [every derivative is a PyTorch
-function] in torch_fn.py. Every callable here takes tensors and returns a
-tuple of tensors.
+``build`` applies the transforms in order, each with ``apply_transform``; see
+NOTE [every derivative is a PyTorch function] in torch_fn.py. Every callable
+here takes tensors and returns a tuple of tensors.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from . import functorch_levels
 from .convert import torch_dtype
 from .rules.fallbacks import forward_mode, reverse_mode, vmap_auto
-from .torch_fn import Aval, Jvp, Transform, Vjp, Vmap
+from .torch_fn import Aval, Jvp, TorchFn, Transform, Vjp, Vmap
 
 Flat = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -119,3 +119,32 @@ def apply_transform(
     t: Transform, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], *, base: Any, prefix: Any
 ) -> Flat:
     return _MAKERS[type(t)](t, g, ins, outs, base, prefix)
+
+
+def stage_avals(fun: TorchFn) -> list[tuple[tuple[Aval, ...], tuple[Aval, ...]]]:
+    """The (in, out) avals before each transform of ``fun``."""
+    stages = []
+    ins, outs = fun.base.in_avals, fun.base.out_avals
+    for t in fun.transforms:
+        stages.append((ins, outs))
+        ins, outs = t.avals(ins, outs)
+    return stages
+
+
+def build(fun: TorchFn) -> Callable[..., tuple[Any, ...]]:
+    """The PyTorch callable computing ``fun``, built once per transform tuple."""
+    base = fun.base
+    built = base.built.get(fun.transforms)
+    if built is not None:
+        return built
+    g = base.fn
+    prefix: tuple[Transform, ...] = ()
+    for t, (ins, outs) in zip(fun.transforms, stage_avals(fun)):
+        prefix = prefix + (t,)
+        cached = base.built.get(prefix)
+        if cached is None:
+            cached = apply_transform(t, g, ins, outs, base=base, prefix=prefix)
+            with base.lock:
+                base.built[prefix] = cached
+        g = cached
+    return g

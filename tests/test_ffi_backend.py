@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -389,3 +390,48 @@ def test_memory_flat_over_many_fresh_wrappers(ffi_backend):
     end = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert registry.size() < 10
     assert end - start < 50 * 1024, (start, end)  # KiB
+
+
+# -- one build for CPU and GPU (NOTE [one build for CPU and GPU] in csrc/) ----
+
+
+def _lowered_for_cuda(f, x) -> str:
+    """StableHLO of ``jax.jit(f)(x)`` lowered for a CUDA device, on this CPU machine."""
+    return jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_every_build_holds_the_cuda_handler():
+    # Built without a CUDA toolkit on this machine, and still there.
+    assert set(ffi_ext.handlers()) == {"cpu", "CUDA"}
+    assert ffi_ext.has_cuda
+    assert ffi.platforms() == {"cpu", "cuda"}
+
+
+def test_a_cuda_lowering_uses_the_custom_call(ffi_backend):
+    f = t2j_ad.jaxify(_sin2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no handler, using the callback backend"
+        text = _lowered_for_cuda(f, jnp.ones(4))
+    assert f"custom_call @{ffi.TARGET}" in text
+
+
+def test_a_refused_cuda_registration_leaves_cpu_on_the_ffi(ffi_backend, monkeypatch):
+    register = jax.ffi.register_ffi_target
+
+    def refuse_cuda(name, fn, platform="cpu", **kwargs):
+        if platform == "CUDA":
+            raise RuntimeError("this jaxlib has no CUDA")
+        return register(name, fn, platform=platform, **kwargs)
+
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", refuse_cuda)
+    monkeypatch.setattr(ffi, "_registered", None)
+    monkeypatch.setattr(ffi, "_warned_platforms", set())
+    assert ffi.platforms() == {"cpu"}
+    f = t2j_ad.jaxify(_sin2)
+    x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+    np.testing.assert_allclose(jax.jit(f)(x), jnp.sin(x) * 2, rtol=1e-6)
+    assert ffi.TARGET in jax.jit(f).lower(x).as_text()
+    # CUDA, now without a handler, takes the callback backend, saying so once.
+    with pytest.warns(RuntimeWarning, match=r"no handler for platform\(s\) \['cuda'\]"):
+        text = _lowered_for_cuda(f, x)
+    assert ffi.TARGET not in text

@@ -68,10 +68,22 @@ def _register_targets() -> frozenset[str]:
     with _lock:
         if _registered is None:
             handlers = _ffi_ext.handlers()
-            for platform, capsule in handlers.items():
-                jax.ffi.register_ffi_target(TARGET, capsule, platform=platform)
+            jax.ffi.register_ffi_target(TARGET, handlers["cpu"], platform="cpu")
+            registered = {"cpu"}
+            # Every build holds the CUDA handler too (NOTE [one build for CPU
+            # and GPU] in csrc/torch_call.cc). A CPU jaxlib accepts a CUDA
+            # target and keeps it unused; should a jaxlib refuse it, CUDA
+            # calls take the callback backend (see lower()) and CPU is unharmed.
+            for platform, name in _PLATFORM_NAMES.items():
+                if platform == "cpu" or name not in handlers:
+                    continue
+                try:
+                    jax.ffi.register_ffi_target(TARGET, handlers[name], platform=name)
+                except Exception:  # noqa: BLE001 - any refusal leaves that platform out
+                    continue
+                registered.add(platform)
             install_dispatcher()
-            _registered = frozenset(p for p, name in _PLATFORM_NAMES.items() if name in handlers)
+            _registered = frozenset(registered)
         return _registered
 
 
@@ -134,7 +146,8 @@ def lower(ctx: Any, *args: Any, fun: Any) -> Sequence[Any]:
     """MLIR lowering of ``torch_call`` to the ``t2j_ad_torch_call`` custom call."""
     missing = unsupported(ctx)
     if missing:
-        # E.g. a CUDA jaxlib with an extension built without the CUDA toolkit.
+        # E.g. ROCm, an extension built with -DT2J_AD_CUDA=OFF, or a jaxlib
+        # that refused to register the CUDA handler.
         from . import callback
 
         new = [p for p in missing if p not in _warned_platforms]
@@ -143,8 +156,7 @@ def lower(ctx: Any, *args: Any, fun: Any) -> Sequence[Any]:
             warnings.warn(
                 f"t2j_ad: the C++ extension has no handler for platform(s) {new} "
                 f"(it was built for {sorted(platforms())}); using the callback "
-                f"backend there. Rebuild with the CUDA toolkit installed "
-                f"(pip install --no-build-isolation -e .) to use the FFI backend.",
+                f"backend there (slower).",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -12,14 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..primitive import torch_call
 from ..torch_fn import TorchFn, Vmap
 
 
 def torch_call_batch(
     args: Sequence[Any], dims: Sequence[int | None], *, fun: TorchFn
 ) -> tuple[list[Any], list[int | None]]:
-    from ..primitive import torch_call
-
     if all(d is None for d in dims):
         # JAX does call batching rules with nothing batched (inside jacfwd).
         return torch_call(args, fun), [None] * len(fun.out_avals)

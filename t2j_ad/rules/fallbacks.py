@@ -45,7 +45,15 @@ from .. import functorch_levels
 
 
 class FallbackWarning(UserWarning):
-    """A PyTorch function runs on a slower path that still gives exact results."""
+    """A PyTorch function runs on a slower path that still gives exact results.
+
+    Issued once per function and kind of fallback, naming the function and
+    PyTorch's reason: ``torch.vmap`` refused it (a sequential loop runs
+    instead), ``torch.func.jvp`` refused it (the double-vjp trick), or
+    ``torch.func.vjp`` refused it (``torch.autograd.grad``). See the
+    "Errors and fallback warnings" page of the documentation; silence it with
+    ``warnings.filterwarnings("ignore", category=t2j_ad.FallbackWarning)``.
+    """
 
 
 # An inner level on the torch.autograd.grad path, run inside a torch.func

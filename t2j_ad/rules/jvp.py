@@ -10,14 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..primitive import torch_call
 from ..torch_fn import Jvp, TorchFn
 
 
 def torch_call_jvp(
     primals: Sequence[Any], tangents: Sequence[Any | None], *, fun: TorchFn
 ) -> tuple[list[Any], list[Any | None]]:
-    from ..primitive import torch_call
-
     outs = torch_call(primals, fun)
     # Symbolic zeros (None) and non-float inputs are closed over, not
     # differentiated; integer and bool outputs get float0 zeros.

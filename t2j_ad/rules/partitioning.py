@@ -49,6 +49,12 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .. import backends
+from ..backends import ffi
+from ..primitive import torch_call
 from .._jax_internals import ArrayMapping, SdyShardingRule, custom_partitioning, lower_fun, partitioned_devices
 from ..torch_fn import BaseFn, Jvp, TorchFn, Vjp, Vmap
 
@@ -138,8 +144,6 @@ def _batch_axes(bm: BatchMap, mesh: Any, arg_shapes: Sequence[Any]) -> tuple[str
 
 
 def _named(mesh: Any, ndim: int, dim: int | None, axes: tuple[str, ...]) -> Any:
-    from jax.sharding import NamedSharding, PartitionSpec
-
     entry = None if not axes else axes[0] if len(axes) == 1 else axes
     return NamedSharding(mesh, PartitionSpec(*[entry if k == dim else None for k in range(ndim)]))
 
@@ -163,11 +167,6 @@ def _sharding_rule(fun: TorchFn, bm: BatchMap) -> Any:
 
 
 def _lower_partitioned(ctx: Any, args: Sequence[Any], fun: TorchFn, bm: BatchMap) -> Sequence[Any]:
-    import jax
-
-    from ..backends import ffi
-    from ..primitive import torch_call
-
     keep = ffi.keep_alive(ctx)
 
     def call(*xs: Any) -> tuple[Any, ...]:
@@ -205,9 +204,6 @@ def _lower_partitioned(ctx: Any, args: Sequence[Any], fun: TorchFn, bm: BatchMap
 
 
 def _ffi_lowers(ctx: Any) -> bool:
-    from .. import backends
-    from ..backends import ffi
-
     return backends.select() is ffi and not ffi.unsupported(ctx)
 
 

@@ -15,14 +15,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from ..primitive import torch_call
 from ..torch_fn import Jvp, TorchFn, Vjp
 
 
 def torch_call_transpose(
     cts: Sequence[Any | None], args: Sequence[Any | None], linear: Sequence[bool], *, fun: TorchFn
 ) -> list[Any | None]:
-    from ..primitive import torch_call
-
     undefined = [i for i, lin in enumerate(linear) if lin]
     out = tuple(j for j, c in enumerate(cts) if c is not None and fun.out_avals[j].is_inexact)
     result: list[Any | None] = [None] * len(args)
