@@ -7,11 +7,17 @@ size of the FFI registry are printed along the way; both must level off (the
 registry entries go with the executables, see NOTE [registry lifetime] in
 t2j_ad/backends/registry.py; what remains is bounded by JAX's own LRU caches).
 
-Target (issue 5): flat memory over 100,000 calls creating fresh wrappers.
-Every fresh wrapper costs one XLA compilation (tens of ms), so the default
-of one call per wrapper takes about an hour on a small machine.
+With ``--compile graph`` each wrapper is ``compile="graph"`` and each step
+takes ``jax.value_and_grad``, so every wrapper traces two aten graphs (the
+call and its vjp); the live ``torch.fx.GraphModule`` count is printed too, and
+must level off as well (graphs die with their function: NOTE [graph mode]).
 
-    python benchmarks/bench_registry_memory.py [--calls 100000] [--calls-per-wrapper 1]
+Targets: flat memory over 100,000 calls creating fresh wrappers (issue 5);
+flat memory over 10,000 fresh graph-mode wrappers (issue 14). Every fresh
+wrapper costs one XLA compilation (tens of ms), so the default of one call
+per wrapper takes about an hour on a small machine.
+
+    python benchmarks/bench_registry_memory.py [--calls 100000] [--calls-per-wrapper 1] [--compile graph]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from common import environment  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
 
 import t2j_ad  # noqa: E402
 from t2j_ad.backends import registry  # noqa: E402
@@ -48,14 +55,23 @@ def main() -> None:
     parser.add_argument("--warmup-wrappers", type=int, default=3000,
                         help="wrappers made before the start RSS is taken (fills JAX's LRU caches)")
     parser.add_argument("--reports", type=int, default=10)
+    parser.add_argument("--compile", choices=("eager", "graph"), default="eager",
+                        help="graph: each wrapper is compile='graph' and each step also takes its gradient")
     args = parser.parse_args()
 
     x = jnp.ones(16, jnp.float32)
 
     def step(i: int) -> None:
-        f = jax.jit(t2j_ad.jaxify(lambda t, i=i: t * i + 1))
+        if args.compile == "graph":
+            loss = t2j_ad.jaxify(lambda t, i=i: (torch.sin(t) * i + 1).sum(), compile="graph")
+            f = jax.jit(jax.value_and_grad(loss))
+        else:
+            f = jax.jit(t2j_ad.jaxify(lambda t, i=i: t * i + 1))
         for _ in range(args.calls_per_wrapper):
             jax.block_until_ready(f(x))
+
+    def live_graphs() -> int:
+        return sum(isinstance(o, torch.fx.GraphModule) for o in gc.get_objects())
 
     print("### Registry memory: fresh jaxify'd functions\n")
     print(f"`python benchmarks/bench_registry_memory.py {' '.join(sys.argv[1:])}`\n")
@@ -66,15 +82,16 @@ def main() -> None:
     gc.collect()
     start = rss_mb()
     wrappers = args.calls // args.calls_per_wrapper
-    print(f"after {args.warmup_wrappers} warm-up wrappers: RSS {start:.1f} MB, registry {registry.size()} entries\n")
-    print("| calls | wrappers | RSS (MB) | registry entries | elapsed |")
-    print("|---:|---:|---:|---:|---:|")
+    print(f"after {args.warmup_wrappers} warm-up wrappers: RSS {start:.1f} MB, registry {registry.size()} entries, "
+          f"{live_graphs()} live graphs\n")
+    print("| calls | wrappers | RSS (MB) | registry entries | live graphs | elapsed |")
+    print("|---:|---:|---:|---:|---:|---:|")
     every = max(1, wrappers // args.reports)
     for w in range(1, wrappers + 1):
         step(w)
         if w % every == 0 or w == wrappers:
             gc.collect()
-            print(f"| {w * args.calls_per_wrapper} | {w} | {rss_mb():.1f} | {registry.size()} | "
+            print(f"| {w * args.calls_per_wrapper} | {w} | {rss_mb():.1f} | {registry.size()} | {live_graphs()} | "
                   f"{time.perf_counter() - t0:.0f} s |", flush=True)
     gc.collect()
     end = rss_mb()
@@ -82,7 +99,7 @@ def main() -> None:
     gc.collect()
     print(f"\nstart RSS {start:.1f} MB, end RSS {end:.1f} MB ({end - start:+.1f} MB over "
           f"{wrappers * args.calls_per_wrapper} calls / {wrappers} fresh wrappers); "
-          f"registry {registry.size()} entries after jax.clear_caches()")
+          f"registry {registry.size()} entries and {live_graphs()} live graphs after jax.clear_caches()")
 
 
 if __name__ == "__main__":

@@ -277,3 +277,29 @@ def test_shard_map_gradient_of_a_replicated_weight(mesh):
 
     grad = jax.jit(jax.shard_map(jax.grad(local_loss), mesh=mesh, in_specs=(P(), P("b")), out_specs=P()))
     assert_tree_allclose(grad(w, x), jax.grad(lambda w: _jax_loss(w, x).sum())(w))
+
+
+def test_graph_mode_traces_the_local_batch_and_stays_sharded(mesh, monkeypatch):
+    # compile="graph" under a sharded jit: each device replays a graph traced
+    # for its own rows (NOTE [graph mode]); nothing is gathered.
+    from t2j_ad import graph_mode
+
+    traced_shapes = []
+    original = graph_mode.trace
+
+    def recording(fn, inputs, grad_enabled):
+        traced_shapes.append([tuple(t.shape) for t in inputs])
+        return original(fn, inputs, grad_enabled)
+
+    monkeypatch.setattr(graph_mode, "trace", recording)
+    f = t2j_ad.jaxify(lambda w, x: torch.tanh(x @ w) ** 2, vmap_method="expand_dims", compile="graph")
+    w, x = _data()
+    xs = jax.device_put(x, NamedSharding(mesh, P("b")))
+    g = _per_example_grads(f)
+    assert _all_gathers(_hlo(g, w, xs)) == 0
+    for scale in (1.0, -0.5):
+        out = g(w * scale, xs)
+        assert_tree_allclose(out, jax.vmap(jax.grad(_jax_loss), (None, 0))(w * scale, x))
+        assert out.sharding.spec == P("b")
+    assert traced_shapes, "nothing was traced"
+    assert all((B // 4, D) in shapes for shapes in traced_shapes), traced_shapes
