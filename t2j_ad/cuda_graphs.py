@@ -55,7 +55,9 @@ class CudaGraphCall:
             self.run(*self.static_inputs)  # warm-up, outside the capture
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+        # thread_local: XLA's own threads keep launching work while this one
+        # captures; "global" would make their CUDA calls fail meanwhile.
+        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local"):
             outs = self.run(*self.static_inputs)
         self.static_outputs = tuple(outs)
         self.graph = graph

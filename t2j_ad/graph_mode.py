@@ -188,7 +188,9 @@ def artifact_for(
     artifact = cache.get(key)
     if artifact is not None:
         return artifact
-    lock: threading.Lock = base.lock
+    # Its own lock, not base.lock: build() takes that one, and a trace (an
+    # inductor compile: seconds) must not hold up other TorchFns' builds.
+    lock: threading.Lock = base.__dict__.setdefault("graph_lock", threading.Lock())
     with lock:
         artifact = cache.get(key)
         if artifact is None:

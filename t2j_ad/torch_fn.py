@@ -162,6 +162,7 @@ class BaseFn:
         # (the traced graphs: NOTE [graph mode] in graph_mode.py).
         local.built = {}
         local.__dict__.pop("graphs", None)
+        local.__dict__.pop("graph_lock", None)
         local.lock = threading.Lock()
         return local
 
