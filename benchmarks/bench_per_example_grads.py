@@ -23,20 +23,19 @@ a second process, which finds the compiled kernels in PyTorch's disk cache.
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from common import (  # noqa: E402
     first_call_costs,
+    first_call_probe,
     fresh_inductor_cache,
     markdown_table,
     print_report,
-    second_process_first_call,
+    second_process_section,
     set_threads,
     thread_args,
     time_calls,
@@ -119,20 +118,18 @@ def contenders(first_calls: list[str]):
     }
 
 
-def first_call_probe() -> None:
-    """In a fresh process: the inductor version's first call, as JSON."""
+def probe_first_call() -> None:
+    """In a fresh process: the inductor version's first call (common.first_call_probe)."""
     params, x, y = jax.tree.map(jnp.asarray, make_data())
     jaxified = t2j_ad.jaxify(torch_loss, vmap_method="expand_dims", compile="inductor")
     f = per_example(jaxified)
-    start = time.perf_counter()
-    jax.block_until_ready(f(params, x, y))
-    print(json.dumps({"first_call": time.perf_counter() - start, **jaxified.compile_stats()}))
+    first_call_probe(jaxified, lambda: jax.block_until_ready(f(params, x, y)))
 
 
 def main() -> None:
     args = thread_args(__doc__)
     if args.first_call_probe:
-        first_call_probe()
+        probe_first_call()
         return
     fresh_inductor_cache()
 
@@ -153,12 +150,7 @@ def main() -> None:
         )
         costs = "First calls (this process): " + "; ".join(first_calls)
         sections.append((f"PyTorch threads: {n}", markdown_table(timings, "torch.func") + "\n\n" + summary + "\n\n" + costs))
-    probe = second_process_first_call(__file__)
-    sections.append((
-        "Inductor in a second process (PyTorch's disk cache warm)",
-        f"first call {probe['first_call']:.2f} s, of which compile {probe['compile_seconds']:.2f} s "
-        f"and trace {probe['trace_seconds']:.2f} s",
-    ))
+    sections.append(second_process_section(__file__))
     command = "python benchmarks/bench_per_example_grads.py --threads " + " ".join(map(str, args.threads))
     print_report(f"Per-example gradients, MLP {D_IN}-{HIDDEN}-{D_OUT}, batch {BATCH}", command, sections)
 

@@ -179,13 +179,27 @@ def first_call_costs(name: str, jaxified: Any, call: Callable[[], Any]) -> str:
     )
 
 
-def second_process_first_call(script: str) -> dict[str, float]:
+def first_call_probe(jaxified: Any, call: Callable[[], Any]) -> None:
+    """In a fresh process (``--first-call-probe``): time ``call``, the first
+    call of the inductor version, and print it with ``jaxified.compile_stats()``
+    as JSON for ``second_process_section``."""
+    start = time.perf_counter()
+    call()
+    print(json.dumps({"first_call": time.perf_counter() - start, **jaxified.compile_stats()}))
+
+
+def second_process_section(script: str) -> tuple[str, str]:
     """Run ``script --first-call-probe`` in a fresh interpreter (sharing this
-    process's inductor cache directory) and return the JSON it prints last."""
+    process's inductor cache directory) and report its first call."""
     done = subprocess.run(
         [sys.executable, script, "--first-call-probe"], capture_output=True, text=True, check=True, env=dict(os.environ)
     )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    return (
+        "Inductor in a second process (PyTorch's disk cache warm)",
+        f"first call {probe['first_call']:.2f} s, of which compile {probe['compile_seconds']:.2f} s "
+        f"and trace {probe['trace_seconds']:.2f} s",
+    )
 
 
 def fresh_inductor_cache() -> str:
