@@ -44,9 +44,11 @@ gone from the graph: what is left is the aten ops they issued.
 
 from __future__ import annotations
 
+import linecache
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,6 +74,27 @@ def resolve_compile_mode(value: str | None, where: str) -> str:
     if value not in COMPILE_MODES:
         raise ValueError(f"{where}: compile must be one of {COMPILE_MODES}, got {value!r}.")
     return value
+
+
+def _source_key(graph: torch.fx.GraphModule) -> str:
+    """The name under which torch.fx filed the source of ``graph.forward``."""
+    return type(graph).forward.__code__.co_filename
+
+
+def _forget_sources(keys: Sequence[str]) -> None:
+    """Drop generated sources torch.fx keeps for tracebacks.
+
+    Every ``GraphModule.recompile`` files its source (and a copy of its
+    globals) in torch.fx's loader and in ``linecache`` and never removes them:
+    a few kilobytes per graph, which would grow without bound as fresh
+    jaxified functions come and go (benchmarks/bench_registry_memory.py
+    --compile graph). Only traceback source lines of a dead graph are lost.
+    """
+    loader = getattr(torch.fx.graph_module, "_loader", None)  # private; absent: nothing to drop
+    for key in keys:
+        if loader is not None:
+            loader.eval_cache.pop(key, None)
+        linecache.cache.pop(key, None)
 
 
 class NotTraceable(RuntimeError):
@@ -103,8 +126,11 @@ def trace(fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> torch
     # the shape checks of PyTorch's ZeroTensor fallback (meta-device copies,
     # which fail if replayed). Random ops count as impure, so the graph draws
     # the same numbers as eager.
+    traced_source = _source_key(graph)
     graph.graph.eliminate_dead_code()
     graph.recompile()
+    _forget_sources([traced_source])
+    weakref.finalize(graph, _forget_sources, [_source_key(graph)])
     for node in graph.graph.nodes:
         if node.op == "call_function" and node.target is _SCALAR_READ:
             raise NotTraceable(

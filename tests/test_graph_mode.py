@@ -505,3 +505,22 @@ def test_cuda_graph_replay_matches_pure_jax_with_new_values():
     (entry,) = f._cache.values()
     artifacts = list(entry.base.__dict__["graphs"].values())
     assert any(a.cuda_graph is not None and a.cuda_graph.graph is not None for a in artifacts)
+
+
+def test_dead_graphs_leave_no_generated_source_behind():
+    # torch.fx files every generated forward's source for tracebacks and
+    # never drops it; t2j_ad drops it with the graph (bench_registry_memory).
+    import linecache
+
+    from torch.fx import graph_module
+
+    before = set(graph_module._loader.eval_cache)
+    f = t2j_ad.jaxify(_t_loss, compile="graph")
+    jax.jit(jax.value_and_grad(f))(W, XS[0], YS[0])
+    alive = set(graph_module._loader.eval_cache) - before
+    assert len(alive) == f.compile_stats()["graphs"]  # the traced-then-pruned sources are gone already
+    del f
+    t2j_ad.clear_caches()
+    gc.collect()
+    assert not (set(graph_module._loader.eval_cache) - before)
+    assert not any(key in linecache.cache for key in alive)
