@@ -44,6 +44,7 @@ gone from the graph: what is left is the aten ops they issued.
 
 from __future__ import annotations
 
+import contextvars
 import linecache
 import os
 import threading
@@ -53,6 +54,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode  # private: NOTE [what a trace leaves behind]
 
 from .rules.fallbacks import provisional, warn_once
 
@@ -118,10 +120,25 @@ def trace(fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> torch
     """``fn`` traced on fake versions of ``inputs`` into an aten graph."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    with torch.autograd.set_grad_enabled(grad_enabled):
-        # _allow_non_fake_inputs: tensors the function closes over (module
-        # buffers) become graph constants, held by reference.
-        graph = make_fx(fn, _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+    def run() -> torch.fx.GraphModule:
+        with torch.autograd.set_grad_enabled(grad_enabled):
+            # _allow_non_fake_inputs: tensors the function closes over (module
+            # buffers) become graph constants, held by reference.
+            return make_fx(fn, _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+
+    # NOTE [what a trace leaves behind]: make_fx sets a fresh, uniquely named
+    # ContextVar per call (config.patch), which would stay in this thread's
+    # context for good, and fake tensors fill a process-wide dispatch cache
+    # keyed by each function's constants. Both grew without bound over fresh
+    # functions (benchmarks/bench_registry_memory.py --compile graph): trace
+    # in a throwaway context, and take back the cache entries the trace added.
+    dispatch_cache = FakeTensorMode.cache
+    before = set(dispatch_cache)
+    try:
+        graph = contextvars.copy_context().run(run)
+    finally:
+        for key in [k for k in dispatch_cache if k not in before]:
+            dispatch_cache.pop(key, None)
     # Drop what no output needs: the primal work a derivative discards, and
     # the shape checks of PyTorch's ZeroTensor fallback (meta-device copies,
     # which fail if replayed). Random ops count as impure, so the graph draws
