@@ -186,9 +186,11 @@ def _direct_vjp(fn: Flat, primals: Sequence[torch.Tensor], cotangents: Sequence[
         outs = fn(*inputs)
         _check_outputs(outs)
         grads = autograd_grad(outs, inputs, cotangents)
-        return tuple(
-            [_zeros_like(p) if g is None else _unwrap_for_grad(g, level) for g, p in zip(grads, primals)]
-        )
+        # Zeros for inputs without a gradient are made from the wrapped input
+        # and unwrapped like any gradient, as torch.func.vjp does: zeros_like
+        # of an outer primal made while this grad level is on top escaped a
+        # batching level when that primal was batched (vmap of vjp of vjp).
+        return tuple([_unwrap_for_grad(_zeros_like(x) if g is None else g, level) for g, x in zip(grads, inputs)])
     finally:
         _set_grad_enabled(previous_grad)
         _grad_decrement_nesting()
