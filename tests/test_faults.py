@@ -107,13 +107,18 @@ def _allocates(x: torch.Tensor) -> torch.Tensor:
     return x * 2 + torch.zeros(n, dtype=x.dtype)[:1]
 
 
+def _bad_data_fault(name: str, fn: Callable[..., Any], message: str, reference: Callable[..., Any]) -> Fault:
+    """``fn`` jitted fails on ``BAD`` and matches ``reference`` on ``GOOD``."""
+    call = jax.jit(t2j_ad.jaxify(fn))
+    return Fault(name, lambda: call(BAD), message, lambda: (call(GOOD), reference(GOOD)))
+
+
 def _allocation_fault() -> Fault:
-    call = jax.jit(t2j_ad.jaxify(_allocates))
-    return Fault(
+    return _bad_data_fault(
         "forward allocation failure (PyTorch out of memory)",
-        lambda: call(BAD),
+        _allocates,
         r"not enough memory|tried to allocate|Invalid buffer size",
-        lambda: (call(GOOD), GOOD * 2),
+        lambda x: x * 2,
     )
 
 
@@ -124,12 +129,8 @@ def _recurses(x: torch.Tensor, depth: int = 0) -> torch.Tensor:
 
 
 def _recursion_fault() -> Fault:
-    call = jax.jit(t2j_ad.jaxify(_recurses))
-    return Fault(
-        "forward RecursionError",
-        lambda: call(BAD),
-        r"RecursionError: maximum recursion depth exceeded",
-        lambda: (call(GOOD), GOOD * 3),
+    return _bad_data_fault(
+        "forward RecursionError", _recurses, r"RecursionError: maximum recursion depth exceeded", lambda x: x * 3
     )
 
 
@@ -160,24 +161,10 @@ def _nth_call_fault() -> Fault:
 # -- custom autograd.Function rules -----------------------------------------------------
 
 
-class _BadBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return torch.sin(x)
+class _Sin(torch.autograd.Function):
+    """``sin`` with every rule written out; each subclass breaks one rule
+    for inputs above 100."""
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-        ctx.save_for_backward(inputs[0])
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        if bool((x > 100).any()):
-            raise FloatingPointError("custom backward refused x > 100")
-        return g * torch.cos(x)
-
-
-class _BadJvp(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.sin(x)
@@ -195,29 +182,32 @@ class _BadJvp(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, t: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
-        if bool((x > 100).any()):
-            raise ArithmeticError("custom jvp refused x > 100")
         return t * torch.cos(x)
 
 
-class _BadVmapRule(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return torch.sin(x)
+def _refuse_large(x: torch.Tensor, exc: type[Exception], rule: str) -> None:
+    if bool((x > 100).any()):
+        raise exc(f"custom {rule} refused x > 100")
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-        ctx.save_for_backward(inputs[0])
 
+class _BadBackward(_Sin):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        return g * torch.cos(x)
+        _refuse_large(ctx.saved_tensors[0], FloatingPointError, "backward")
+        return _Sin.backward(ctx, g)
 
+
+class _BadJvp(_Sin):
+    @staticmethod
+    def jvp(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        _refuse_large(ctx.saved_tensors[0], ArithmeticError, "jvp")
+        return _Sin.jvp(ctx, t)
+
+
+class _BadVmapRule(_Sin):
     @staticmethod
     def vmap(info: Any, in_dims: Any, x: torch.Tensor) -> Any:
-        if bool((x > 100).any()):
-            raise IndexError("custom vmap rule refused x > 100")
+        _refuse_large(x, IndexError, "vmap rule")
         return torch.sin(x), in_dims[0]
 
 
