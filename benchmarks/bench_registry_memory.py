@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import pathlib
 import sys
 import time
@@ -32,7 +31,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from common import environment  # noqa: E402
+from common import environment, rss_mb  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -40,12 +39,6 @@ import torch  # noqa: E402
 
 import t2j_ad  # noqa: E402
 from t2j_ad.backends import registry  # noqa: E402
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def main() -> None:

@@ -113,6 +113,13 @@ def markdown_table(timings: Sequence[Timing], reference: str) -> str:
     return "\n".join(lines)
 
 
+def rss_mb() -> float:
+    """This process's resident memory (RSS) now, in MiB (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def set_threads(n: int) -> None:
     """Use ``n`` PyTorch threads in t2j_ad calls and in plain PyTorch alike,
     so torch.func references run with the same width as t2j_ad."""

@@ -12,6 +12,15 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 PY="${T2J_AD_VENV:-.venv}/bin/python"
 export JAX_PLATFORMS=cpu T2J_AD_TORCH_THREADS=1
+# Each pytest run appends the number of property examples it executed here
+# (NOTE [counting examples] in tests/property/conftest.py); summed at the end.
+T2J_AD_EXAMPLE_COUNT_FILE="$(mktemp)"
+export T2J_AD_EXAMPLE_COUNT_FILE
+print_example_count() {
+  echo "property examples this run: $(awk '{ n += $1 } END { print n + 0 }' "$T2J_AD_EXAMPLE_COUNT_FILE")"
+  rm -f "$T2J_AD_EXAMPLE_COUNT_FILE"
+}
+trap print_example_count EXIT
 
 echo "== packaging: sdist + wheel, installed into a fresh venv =="
 bash scripts/check_wheel.sh
@@ -23,7 +32,9 @@ echo "== 4 simulated devices: sharded jit, shard_map, pmap, 2 processes =="
 XLA_FLAGS=--xla_force_host_platform_device_count=4 "$PY" -m pytest tests/multidevice -q -p no:cacheprovider "$@"
 
 echo "== core transform tests and property suite, compile='graph' =="
-T2J_AD_COMPILE=graph "$PY" -m pytest -q -p no:cacheprovider \
+# Fewer property examples than the eager run above (60 per pair): the same
+# math, every example traced; CI's 20-minute budget has room for 8 per pair.
+T2J_AD_COMPILE=graph T2J_AD_HYPOTHESIS_EXAMPLES=8 "$PY" -m pytest -q -p no:cacheprovider \
   tests/test_ad.py tests/test_batching.py tests/test_module.py tests/test_ad_fallbacks.py tests/property "$@"
 
 echo "== core tests, callback backend =="

@@ -21,7 +21,7 @@ from . import graph_mode
 from .graph_mode import resolve_compile_mode
 from .inference import infer_outputs
 from .primitive import torch_call
-from .runtime import TorchCallError, not_a_tensor
+from .runtime import TorchCallError, check_environment, not_a_tensor
 from .torch_fn import VMAP_METHODS, Aval, BaseFn, TorchFn
 
 _live_functions: weakref.WeakSet = weakref.WeakSet()
@@ -45,7 +45,10 @@ def _as_array(path: tuple[Any, ...], leaf: Any) -> jax.Array:
     if isinstance(leaf, jax.Array):
         array = leaf
     elif isinstance(leaf, (np.ndarray,) + _SCALARS):
-        array = jnp.asarray(leaf)
+        try:
+            array = jnp.asarray(leaf)
+        except (TypeError, ValueError, OverflowError) as err:  # object arrays, ints beyond 64 bits
+            raise TypeError(f"argument {_arg_name(path)} cannot become a JAX array: {err}") from None
     else:
         raise TypeError(
             f"argument {_arg_name(path)} is a {type(leaf).__name__}; t2j_ad "
@@ -182,6 +185,7 @@ class JaxifiedFunction:
         return flat
 
     def _resolve(self, in_tree: Any, in_avals: tuple[Aval, ...]) -> _Signature:
+        check_environment()
         raw = self._raw_fn(in_tree)
         flat = self._flat_fn(raw)
         if self.output_shapes is not None:
@@ -193,8 +197,15 @@ class JaxifiedFunction:
                         f"jaxify: output_shapes{jax.tree_util.keystr(path)} is a "
                         f"{type(leaf).__name__}; expected jax.ShapeDtypeStruct (or anything with .shape and .dtype)."
                     )
-                dtype = np.dtype(leaf.dtype)
-                declared.append((jax.tree_util.keystr(path), tuple(leaf.shape), dtype, torch_dtype(dtype)))
+                where = f"output_shapes{jax.tree_util.keystr(path)}"
+                shape = tuple(leaf.shape)
+                if not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
+                    raise ValueError(f"jaxify: {where} has shape {shape}; dimensions must be ints >= 0.")
+                try:
+                    dtype = np.dtype(leaf.dtype)
+                    declared.append((jax.tree_util.keystr(path), shape, dtype, torch_dtype(dtype)))
+                except (TypeError, UnsupportedDtypeError) as err:
+                    raise TypeError(f"jaxify: {where}: {err}") from None
             mutation_checked = False
         else:
             inferred = infer_outputs(raw, in_avals, self.name)

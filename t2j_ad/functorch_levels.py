@@ -185,7 +185,14 @@ def _direct_vjp(fn: Flat, primals: Sequence[torch.Tensor], cotangents: Sequence[
             _allow_requires_grad(allowed)
         outs = fn(*inputs)
         _check_outputs(outs)
-        grads = [None if g is None else _unwrap_for_grad(g, level) for g in autograd_grad(outs, inputs, cotangents)]
+        grads = autograd_grad(outs, inputs, cotangents)
+        # Zeros for inputs without a gradient are made from the wrapped input
+        # and unwrapped like any gradient, as torch.func.vjp does: zeros_like
+        # of an outer primal made while this grad level is on top escaped a
+        # batching level when that primal was batched (vmap of vjp of vjp),
+        # and make_fx could not follow it either (graph mode baked it in as
+        # an uninitialised constant).
+        return tuple([_unwrap_for_grad(_zeros_like(x) if g is None else g, level) for g, x in zip(grads, inputs)])
     finally:
         _set_grad_enabled(previous_grad)
         _grad_decrement_nesting()
@@ -193,10 +200,6 @@ def _direct_vjp(fn: Flat, primals: Sequence[torch.Tensor], cotangents: Sequence[
             _hooks_enable()
         else:
             _hooks_disable(previous_message)
-    # Zeros made outside the level: made inside it, they would be wrappers of
-    # a level that no longer exists, which make_fx cannot follow (graph mode
-    # baked them in as uninitialised constants).
-    return tuple([_zeros_like(p) if g is None else g for g, p in zip(grads, primals)])
 
 
 def direct_path_works() -> bool:

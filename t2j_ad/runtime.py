@@ -12,6 +12,7 @@ import threading
 import traceback
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from . import graph_mode
@@ -53,8 +54,16 @@ _threads: int | None = None
 def torch_threads() -> int:
     global _threads
     if _threads is None:
-        env = os.environ.get("T2J_AD_TORCH_THREADS")
-        _threads = int(env) if env else max(1, (os.cpu_count() or 1) // 2)
+        env = os.environ.get("T2J_AD_TORCH_THREADS", "").strip()
+        if not env:
+            _threads = max(1, (os.cpu_count() or 1) // 2)
+        elif not env.isdigit() or int(env) < 1:
+            raise ValueError(
+                f"T2J_AD_TORCH_THREADS must be a whole number >= 1 (PyTorch threads "
+                f"inside t2j_ad calls), got {env!r}; unset it for half the cores."
+            )
+        else:
+            _threads = int(env)
     return _threads
 
 
@@ -72,9 +81,20 @@ def set_torch_threads(n: int) -> None:
         ValueError: ``n`` is less than 1.
     """
     global _threads
-    if int(n) < 1:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"set_torch_threads: n must be an int, got {type(n).__name__} ({n!r}).")
+    if n < 1:
         raise ValueError(f"set_torch_threads: n must be >= 1, got {n}.")
     _threads = int(n)
+
+
+def check_environment() -> None:
+    """Read every ``T2J_AD_*`` setting the runtime uses, so that a bad value
+    raises a ``ValueError`` naming it in the caller, when a signature is
+    first traced, rather than from inside a custom call."""
+    torch_threads()
+    tune_malloc()
+    from . import functorch_levels  # noqa: F401 - reads T2J_AD_FUNCTORCH_FAST at import
 
 
 def not_a_tensor(fn_name: str, where: str, value: object) -> TorchCallError:

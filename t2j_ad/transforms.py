@@ -93,9 +93,11 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
         return functorch_levels.vmap(g, args, in_dims, size)
 
     def broadcast_all(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # expand() is a view, so "broadcast" costs no copy here either; the
-        # function still sees every argument batched.
-        full = [a.expand((size,) + tuple(a.shape)) if d is None else a for a, d in zip(args, in_dims)]
+        # A copy, not an expand() view: PyTorch formulas that write in place
+        # (the jvp of prod under a nested vmap) refuse a tensor whose
+        # elements share memory ("more than one element of the written-to
+        # tensor refers to a single memory location").
+        full = [a.expand((size,) + tuple(a.shape)).clone() if d is None else a for a, d in zip(args, in_dims)]
         dims = tuple(0 if d is None else d for d in in_dims)
         return functorch_levels.vmap(g, full, dims, size)
 

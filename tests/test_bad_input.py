@@ -163,3 +163,122 @@ def test_tensor_subclass_output_is_accepted_and_checked():
     )
     with pytest.raises(RUNTIME_ERRORS, match=r"has shape \(2,\), but \(5,\) was declared"):
         jax.block_until_ready(jax.jit(g)(x))
+
+
+# -- the bad-input table ------------------------------------------------------------
+# Each row: a call with one kind of bad input, the error it must raise, and a
+# regex naming the argument. After each, a good call must still work.
+
+from t2j_ad import compat  # noqa: E402
+
+_f = t2j_ad.jaxify(lambda x: x * 2)
+_F32_2 = jax.ShapeDtypeStruct((2,), jnp.float32)
+
+
+def _module_apply(params_of):
+    apply, params = t2j_ad.jaxify_module(nn.Linear(2, 2))
+    return apply(params_of(params), jnp.ones((1, 2)))
+
+
+BAD_INPUTS = [
+    ("a str argument", lambda: _f("abc"), TypeError, r"argument args\[0\] is a str"),
+    ("a bytes argument", lambda: _f(b"abc"), TypeError, r"argument args\[0\] is a bytes"),
+    ("a str inside a list", lambda: _f([1.0, "a"]), TypeError, r"argument args\[0\]\[1\] is a str"),
+    ("a str keyword argument", lambda: t2j_ad.jaxify(lambda x, lr: x * lr)(jnp.ones(2), lr="0.1"),
+     TypeError, r"argument kwargs\['lr'\] is a str"),
+    ("a NumPy object array", lambda: _f(np.array([object()], dtype=object)), TypeError,
+     r"argument args\[0\] cannot become a JAX array"),
+    ("a NumPy str array", lambda: _f(np.array(["a", "b"])), TypeError, r"argument args\[0\] cannot become a JAX array"),
+    ("a Python int beyond 64 bits", lambda: _f(2**70), TypeError, r"argument args\[0\] cannot become a JAX array.*too large"),
+    ("a NumPy uint32 array", lambda: _f(np.ones(2, np.uint32)), TypeError, r"argument args\[0\]: dtype uint32 cannot cross"),
+    ("a JAX PRNG key array", lambda: _f(jax.random.key(0)), TypeError, r"argument args\[0\]: dtype key<fry> cannot cross"),
+    ("a float0 array", lambda: _f(np.zeros(2, jax.dtypes.float0)), TypeError, r"argument args\[0\]: dtype .*float0.* cannot cross"),
+    ("vmap_method not a str", lambda: t2j_ad.jaxify(lambda x: x, vmap_method=3), ValueError, r"vmap_method must be one of .* got 3"),
+    ("output_shapes with an unsupported dtype",
+     lambda: t2j_ad.jaxify(lambda x: x, output_shapes=jax.ShapeDtypeStruct((2,), jnp.uint32))(jnp.ones(2)),
+     TypeError, r"output_shapes: dtype uint32 cannot cross"),
+    ("output_shapes with a negative dimension",
+     lambda: t2j_ad.jaxify(lambda x: x, output_shapes=[_F32_2, jax.ShapeDtypeStruct((-1,), jnp.float32)])(jnp.ones(2)),
+     ValueError, r"output_shapes\[1\] has shape \(-1,\); dimensions must be ints >= 0"),
+    ("jaxify_module of a function", lambda: t2j_ad.jaxify_module(lambda x: x), TypeError,
+     r"module must be a torch.nn.Module, got function"),
+    ("jaxify_module with a bad vmap_method", lambda: t2j_ad.jaxify_module(nn.Linear(2, 2), vmap_method="parallel"),
+     ValueError, r"vmap_method must be one of"),
+    ("module params value not an array", lambda: _module_apply(lambda p: {**p, "weight": "w"}), TypeError,
+     r"params\['weight'\] is a str"),
+    ("set_torch_threads(0)", lambda: t2j_ad.set_torch_threads(0), ValueError, r"set_torch_threads: n must be >= 1, got 0"),
+    ("set_torch_threads('two')", lambda: t2j_ad.set_torch_threads("two"), TypeError, r"set_torch_threads: n must be an int, got str"),
+    ("set_torch_threads(1.5)", lambda: t2j_ad.set_torch_threads(1.5), TypeError, r"set_torch_threads: n must be an int, got float"),
+    ("tree_t2j of a float8 tensor", lambda: t2j_ad.tree_t2j({"a": torch.ones(2, dtype=torch.float8_e4m3fn)}),
+     TypeError, r"torch dtype torch.float8_e4m3fn cannot cross into JAX"),
+    ("tree_j2t of a uint32 array", lambda: t2j_ad.tree_j2t([jnp.ones(2, jnp.uint32)]), TypeError,
+     r"dtype uint32 cannot cross into PyTorch"),
+    ("compat.dtype_t2j of a non-dtype", lambda: compat.dtype_t2j("notadtype"), ValueError, r"Unsupported dtype: notadtype"),
+    ("compat.dtype_j2t of uint32", lambda: compat.dtype_j2t(jnp.uint32), ValueError, r"Unsupported dtype: .*uint32"),
+    ("compat.tree_t2j with a bad via", lambda: compat.tree_t2j(torch.ones(2), via="pickle"), ValueError,
+     r"via must be one of .* got 'pickle'"),
+    ("compat.torch2jax of a non-callable", lambda: compat.torch2jax(3, jnp.ones(2)), TypeError, r"fn must be callable, got int"),
+    ("compat nondiff_argnums out of range",
+     lambda: compat.torch2jax_with_vjp(lambda x: x, jnp.ones(2), nondiff_argnums=(3,)), ValueError,
+     r"nondiff_argnums \[3\] out of range"),
+]
+
+
+@pytest.mark.parametrize(("call", "exc", "message"), [pytest.param(*row[1:], id=row[0]) for row in BAD_INPUTS])
+def test_bad_input_is_refused_by_name_then_a_good_call_works(call, exc, message):
+    with pytest.raises(exc, match=message):
+        jax.block_until_ready(call())
+    x = jnp.array([1.0, -2.0])
+    np.testing.assert_array_equal(jax.jit(_f)(x), x * 2)
+    np.testing.assert_array_equal(jax.grad(lambda x: _f(x).sum())(x), jnp.full(2, 2.0))
+
+
+# -- bad environment variables, each in a fresh interpreter ------------------------
+
+_ENV_PROBE = """
+import os, sys
+import jax, jax.numpy as jnp, numpy as np
+
+var, good = sys.argv[1], sys.argv[2]
+try:
+    import t2j_ad  # T2J_AD_FUNCTORCH_FAST is read at import
+
+    x = jnp.array([1.0, -2.0])
+    jax.block_until_ready(jax.jit(t2j_ad.jaxify(lambda x: x * 3))(x))
+except ValueError as err:
+    assert var in str(err), str(err)
+    print("refused:", err)
+else:
+    raise SystemExit(f"{var}={os.environ[var]!r} was accepted")
+os.environ[var] = good
+import t2j_ad
+
+x = jnp.array([1.0, -2.0])
+np.testing.assert_array_equal(jax.jit(t2j_ad.jaxify(lambda x: x * 3))(x), x * 3)
+np.testing.assert_array_equal(jax.grad(lambda x: t2j_ad.jaxify(lambda x: (x * x).sum())(x))(x), 2 * x)
+print("good call ok")
+"""
+
+
+@pytest.mark.parametrize(
+    ("var", "bad", "good"),
+    [
+        ("T2J_AD_TORCH_THREADS", "abc", "1"),
+        ("T2J_AD_TORCH_THREADS", "0", "1"),
+        ("T2J_AD_TORCH_THREADS", "-2", "1"),
+        ("T2J_AD_BACKEND", "cuda", "callback"),
+        ("T2J_AD_TUNE_MALLOC", "maybe", "0"),
+        ("T2J_AD_FUNCTORCH_FAST", "2", "1"),
+    ],
+)
+def test_bad_environment_variable_is_a_value_error_naming_it(var, bad, good):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, var: bad}
+    done = subprocess.run(
+        [sys.executable, "-c", _ENV_PROBE, var, good], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"refused: {var} must be" in done.stdout and "good call ok" in done.stdout, done.stdout

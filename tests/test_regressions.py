@@ -76,3 +76,89 @@ def test_concurrent_forward_mode_calls_do_not_share_levels():
     assert len(results) == 20
     for r in results:
         assert_tree_allclose(r, np.asarray(expected), rtol=1e-4, atol=1e-5)
+
+
+def test_bad_thread_setting_is_a_value_error_in_the_caller():
+    """T2J_AD_TORCH_THREADS was parsed with a bare int() inside the custom
+    call, so 'abc' came back as "invalid literal for int()" wrapped in a JAX
+    runtime error, '0' reached torch.set_num_threads, and
+    set_torch_threads(1.5) silently meant 1. Found by tests/test_bad_input.py."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    code = (
+        "import jax.numpy as jnp, t2j_ad\n"
+        "try:\n    t2j_ad.jaxify(lambda x: x * 2)(jnp.ones(2))\n"
+        "except ValueError as err:\n    print(err)\n"
+    )
+    for bad in ("abc", "0"):
+        env = {**__import__("os").environ, "T2J_AD_TORCH_THREADS": bad}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert f"T2J_AD_TORCH_THREADS must be a whole number >= 1 (PyTorch threads inside t2j_ad calls), got '{bad}'" in done.stdout
+    with pytest.raises(TypeError, match="n must be an int, got float"):
+        t2j_ad.set_torch_threads(1.5)
+
+
+def test_unconvertible_arguments_and_bad_output_shapes_name_the_argument():
+    """A Python int beyond 64 bits raised OverflowError and a NumPy object
+    array JAX's "Error interpreting argument to stage", neither naming the
+    argument; output_shapes with a negative dimension reached MLIR
+    ("invalid tensor dimension size"). Found by tests/test_bad_input.py."""
+    import pytest
+
+    f = t2j_ad.jaxify(lambda x, y: x * y)
+    with pytest.raises(TypeError, match=r"argument args\[1\] cannot become a JAX array"):
+        f(jnp.ones(2), 2**70)
+    with pytest.raises(TypeError, match=r"argument kwargs\['y'\] cannot become a JAX array"):
+        f(jnp.ones(2), y=np.array([object()], dtype=object))
+    g = t2j_ad.jaxify(lambda x: x, output_shapes=jax.ShapeDtypeStruct((-2,), jnp.float32))
+    with pytest.raises(ValueError, match=r"output_shapes has shape \(-2,\)"):
+        g(jnp.ones(2))
+    assert_tree_allclose(f(jnp.ones(2), 3.0), jnp.full(2, 3.0))
+
+
+def _t_mlp(x, w1, w2):
+    return torch.tanh(x @ w1) @ w2
+
+
+def _j_mlp(x, w1, w2):
+    return jnp.tanh(x @ w1) @ w2
+
+
+def test_vmap_of_vjp_of_vjp_with_a_zero_gradient_stays_inside_its_level():
+    """functorch_levels._direct_vjp made the zeros for an input without a
+    gradient with zeros_like of the outer primal while its grad level was
+    still on top. Under broadcast_all (every primal batched), jacrev of grad
+    of an MLP with respect to its last (linear) layer returned a tensor that
+    had escaped its vmap level: "Either your tensor may have escaped from
+    inside a function being vmapped". Found by the property suite at 60
+    examples per pair."""
+    args = (jnp.full((2, 3), 0.3), jnp.full((3, 4), 0.2), jnp.full((4, 2), 0.1))
+
+    def second(mlp):
+        return jax.jacrev(jax.grad(lambda *a: jnp.sum(mlp(*a) * jnp.arange(1.0, 5.0).reshape(2, 2)), argnums=2), argnums=2)
+
+    ours = t2j_ad.jaxify(_t_mlp, vmap_method="broadcast_all")
+    assert_tree_allclose(jax.jit(second(ours))(*args), second(_j_mlp)(*args))
+
+
+def _t_reduce(x):
+    return (x**2 + 1).prod(-1)
+
+
+def _j_reduce(x):
+    return (x**2 + 1).prod(-1)
+
+
+def test_broadcast_all_passes_copies_not_overlapping_views():
+    """broadcast_all passed unbatched arguments as expand() views; the jvp
+    of prod under a nested vmap writes in place and refused them ("more than
+    one element of the written-to tensor refers to a single memory
+    location"). Found by test_vmap_methods_agree at 60 examples."""
+    x = jnp.linspace(-1.0, 1.0, 9, dtype=jnp.float32).reshape(3, 3)
+    ours = t2j_ad.jaxify(_t_reduce, vmap_method="broadcast_all")
+    assert_tree_allclose(
+        jax.jit(jax.vmap(jax.jacfwd(ours), in_axes=1))(x), jax.vmap(jax.jacfwd(_j_reduce), in_axes=1)(x)
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import sys
 
 from hypothesis import HealthCheck, Phase, settings
 
@@ -41,7 +42,7 @@ _COMMON = dict(
 settings.register_profile(
     "ci",
     derandomize=True,
-    max_examples=int(os.environ.get("T2J_AD_HYPOTHESIS_EXAMPLES", "8")),
+    max_examples=int(os.environ.get("T2J_AD_HYPOTHESIS_EXAMPLES", "60")),
     # No example database: a derandomized run is reproducible by itself.
     database=None,
     phases=(Phase.explicit, Phase.generate, Phase.shrink, Phase.explain),
@@ -59,3 +60,27 @@ settings.load_profile(PROFILE)
 
 def pytest_report_header(config):  # noqa: D103
     return f"t2j_ad property tests: hypothesis profile {PROFILE!r} ({settings.default.max_examples} examples per test)"
+
+
+# NOTE [counting examples]
+# Every property test body starts with strategies.note_reproduction(), which
+# counts the example: what is counted is examples actually executed (shrinking
+# and explicit examples included), not the configured maxima. At the end of a
+# pytest run the count is printed and, when T2J_AD_EXAMPLE_COUNT_FILE names a
+# file, appended to it as one line; scripts/run_tests.sh sets it, sums the
+# lines of every pytest run it made and prints "property examples this run: N".
+COUNT_FILE_ENV = "T2J_AD_EXAMPLE_COUNT_FILE"
+
+
+def _examples_run() -> int:
+    strategies = sys.modules.get("strategies")
+    return strategies.examples_run() if strategies is not None else 0
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: D103
+    n = _examples_run()
+    terminalreporter.write_line(f"property examples this pytest run: {n}")
+    path = os.environ.get(COUNT_FILE_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{n}\n")

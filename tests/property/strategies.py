@@ -202,6 +202,11 @@ def derivative_order(stack: Sequence[Transform]) -> int:
     return sum(t.order for t in stack)
 
 
+def forward_free(stack: Sequence[Transform]) -> bool:
+    """Whether no transform of ``stack`` runs PyTorch's forward mode."""
+    return not any(isinstance(t, (Jvp, Jacfwd, Hessian)) for t in stack)
+
+
 # -- strategies ------------------------------------------------------------------
 
 
@@ -237,6 +242,8 @@ def transform_stacks(
     argnums = st.sampled_from(pair.float_args)
     for _ in range(n):
         budget = max_order - derivative_order(stack)
+        if not (pair.differentiable_jvp or forward_free(stack)):
+            budget = 0  # nothing differentiates PyTorch's forward-mode formula
         kinds = ["jit", "vmap"] + (["grad", "jacfwd", "jacrev", "jvp", "vjp"] if budget >= 1 else [])
         kinds += ["hessian"] if budget >= 2 else []
         kind = draw(st.sampled_from(kinds))
@@ -313,6 +320,9 @@ def cases(
     dtype = draw(st.sampled_from(DTYPES))
     shapes = draw(st.sampled_from(pair.shapes))
     stack = draw(transform_stacks(pair, shapes, min_len=min_len, max_len=max_len, max_order=max_order))
+    if extra_order and not pair.differentiable_jvp:
+        # The test differentiates the stack again (see Pair.differentiable_jvp).
+        stack = tuple(t for t in stack if forward_free((t,)))
     if outer_vmap:
         inner_shapes = stack_shapes(shapes, stack)
         stack = stack + (Vmap(draw(in_axes(inner_shapes)), draw(st.sampled_from(BATCH_SIZES))),)
@@ -327,8 +337,20 @@ def transformed(f: Callable[..., Any], stack: tuple[Transform, ...]) -> Callable
     return apply_stack(f, stack)
 
 
+# Examples executed in this process, by every property test (see
+# NOTE [counting examples] in conftest.py).
+_examples_run = 0
+
+
+def examples_run() -> int:
+    return _examples_run
+
+
 def note_reproduction() -> None:
-    """Print, with a failing example, the command that reruns it."""
+    """Count one executed example, and print, with a failing example, the
+    command that reruns it. Every property test calls this first."""
+    global _examples_run
+    _examples_run += 1
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
     profile = os.environ.get("T2J_AD_HYPOTHESIS_PROFILE", "ci")
     note(

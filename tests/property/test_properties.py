@@ -29,7 +29,7 @@ from strategies import (
 )
 
 # Each property samples the pair too, so it gets a few examples per pair.
-EXAMPLES = 4 * settings.default.max_examples
+EXAMPLES = 2 * settings.default.max_examples
 
 
 def _tolerance(case: Case, extra_order: int = 0) -> float:

@@ -1,0 +1,65 @@
+"""Many threads calling one jaxify'd function at once, sized for CI.
+
+8 threads each make 1,000 calls of one jitted function and 1,000 of its
+jitted gradient, on inputs of their own (so results crossing between threads
+would show), starting together so the first calls also trace and compile
+concurrently. Every result is checked against the same math in pure JAX.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import t2j_ad
+
+THREADS = 8
+CALLS = 1000
+
+
+def _loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (torch.tanh(x @ w) ** 2).sum()
+
+
+def _loss_jax(w: jax.Array, x: jax.Array) -> jax.Array:
+    return (jnp.tanh(x @ w) ** 2).sum()
+
+
+@pytest.mark.parametrize("backend", ["ffi", "callback"])
+def test_threads_calling_a_function_and_its_gradient(backend, monkeypatch):
+    if backend == "ffi":
+        pytest.importorskip("t2j_ad._ffi_ext", reason="C++ extension not built")
+    monkeypatch.setenv("T2J_AD_BACKEND", backend)
+    jax.clear_caches()  # lower afresh on this backend
+    ours = t2j_ad.jaxify(_loss)
+    f, g = jax.jit(ours), jax.jit(jax.grad(ours))
+    x = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
+    inputs = [jnp.linspace(-1.0, 1.0, 4, dtype=jnp.float32) * (k + 1) / THREADS for k in range(THREADS)]
+    expected = [(np.asarray(_loss_jax(w, x)), np.asarray(jax.grad(_loss_jax)(w, x))) for w in inputs]
+    start = threading.Barrier(THREADS)
+    errors: list[BaseException] = []
+    counts = [0] * THREADS
+
+    def worker(k: int) -> None:
+        try:
+            start.wait()
+            want_f, want_g = expected[k]
+            for _ in range(CALLS):
+                np.testing.assert_allclose(f(inputs[k], x), want_f, rtol=1e-5)
+                np.testing.assert_allclose(g(inputs[k], x), want_g, rtol=1e-5, atol=1e-6)
+                counts[k] += 1
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert counts == [CALLS] * THREADS
