@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("T2J_AD_TORCH_THREADS", "1")
@@ -54,3 +56,26 @@ def x64():
     """Run the test with jax_enable_x64 on."""
     with jax.enable_x64(True):
         yield
+
+
+def run_in_threads(work: Callable[[int], None], n: int) -> None:
+    """Run ``work(k)`` for k in range(n), each on its own thread, all released
+    at once by a barrier (so first calls really race); re-raise the first
+    failure of any thread here."""
+    barrier = threading.Barrier(n)
+    failures: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            barrier.wait()
+            work(k)
+        except BaseException as err:  # noqa: BLE001 - re-raised below, in the test's thread
+            failures.append(err)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]

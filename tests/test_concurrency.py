@@ -8,13 +8,12 @@ concurrently. Every result is checked against the same math in pure JAX.
 
 from __future__ import annotations
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import run_in_threads
 
 import t2j_ad
 
@@ -41,25 +40,14 @@ def test_threads_calling_a_function_and_its_gradient(backend, monkeypatch):
     x = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
     inputs = [jnp.linspace(-1.0, 1.0, 4, dtype=jnp.float32) * (k + 1) / THREADS for k in range(THREADS)]
     expected = [(np.asarray(_loss_jax(w, x)), np.asarray(jax.grad(_loss_jax)(w, x))) for w in inputs]
-    start = threading.Barrier(THREADS)
-    errors: list[BaseException] = []
     counts = [0] * THREADS
 
     def worker(k: int) -> None:
-        try:
-            start.wait()
-            want_f, want_g = expected[k]
-            for _ in range(CALLS):
-                np.testing.assert_allclose(f(inputs[k], x), want_f, rtol=1e-5)
-                np.testing.assert_allclose(g(inputs[k], x), want_g, rtol=1e-5, atol=1e-6)
-                counts[k] += 1
-        except BaseException as err:  # noqa: BLE001 - reported below
-            errors.append(err)
+        want_f, want_g = expected[k]
+        for _ in range(CALLS):
+            np.testing.assert_allclose(f(inputs[k], x), want_f, rtol=1e-5)
+            np.testing.assert_allclose(g(inputs[k], x), want_g, rtol=1e-5, atol=1e-6)
+            counts[k] += 1
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_in_threads(worker, THREADS)
     assert counts == [CALLS] * THREADS

@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import warnings
 import weakref
 
@@ -26,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.func
-from conftest import assert_tree_allclose
+from conftest import assert_tree_allclose, run_in_threads
 
 import t2j_ad
 from t2j_ad import graph_mode
@@ -354,23 +353,11 @@ def test_threads_share_one_trace_and_all_get_right_answers(traces):
     f = t2j_ad.jaxify(_t_loss, compile="graph")
     per_example = jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0, 0)))
     expected = np.asarray(jax.jit(jax.vmap(jax.grad(_j_loss), in_axes=(None, 0, 0)))(W, XS, YS))
-    barrier = threading.Barrier(8)
-    failures: list[BaseException] = []
+    def work(k: int) -> None:
+        for _ in range(5):
+            np.testing.assert_allclose(np.asarray(per_example(W, XS, YS)), expected, rtol=1e-5, atol=1e-5)
 
-    def work():
-        try:
-            barrier.wait()
-            for _ in range(5):
-                np.testing.assert_allclose(np.asarray(per_example(W, XS, YS)), expected, rtol=1e-5, atol=1e-5)
-        except BaseException as err:  # noqa: BLE001 - reported below
-            failures.append(err)
-
-    threads = [threading.Thread(target=work) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures, failures[0]
+    run_in_threads(work, 8)
     assert len(traces) == 1
 
 

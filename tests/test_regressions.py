@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from conftest import assert_tree_allclose
+from conftest import assert_tree_allclose, run_in_threads
 
 import t2j_ad
 
@@ -52,27 +52,17 @@ def test_concurrent_forward_mode_calls_do_not_share_levels():
     several Python threads run concurrently too: two torch.func.jvp calls at
     once left tangents zero or raised "no level exists". Found by the
     per-example Hessian test on 4 devices; NOTE [forward AD is process-wide]."""
-    import threading
-
     f = t2j_ad.jaxify(lambda w, x: torch.tanh(x @ w) ** 2)
     x = jnp.sin(jnp.arange(24.0, dtype=jnp.float32).reshape(8, 3))
     w = jnp.linspace(-1.0, 1.0, 3, dtype=jnp.float32)
     hessians = jax.jit(jax.vmap(jax.hessian(f), (None, 0)))
     expected = jax.vmap(jax.hessian(lambda w, x: jnp.tanh(x @ w) ** 2), (None, 0))(w, x)
-    results, errors = [], []
+    results = []
 
-    def run():
-        try:
-            results.extend(np.asarray(hessians(w, x)) for _ in range(5))
-        except Exception as err:  # reported below, with the others
-            errors.append(err)
+    def run(k: int) -> None:
+        results.extend(np.asarray(hessians(w, x)) for _ in range(5))
 
-    threads = [threading.Thread(target=run) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_in_threads(run, 4)
     assert len(results) == 20
     for r in results:
         assert_tree_allclose(r, np.asarray(expected), rtol=1e-4, atol=1e-5)

@@ -31,6 +31,7 @@ def _load_shared_conftest():
 
 _shared = _load_shared_conftest()
 assert_tree_allclose = _shared.assert_tree_allclose
+run_in_threads = _shared.run_in_threads
 TOLERANCES = _shared.TOLERANCES
 
 _COMMON = dict(
