@@ -420,6 +420,18 @@ def _check_params(params: Any, expected: Mapping[str, jax.Array]) -> None:
             raise TypeError(f"params[{k!r}] has shape {tuple(shape)}; the module's parameter has shape {tuple(ref.shape)}.")
 
 
+# NOTE [one module, many threads]
+# torch.func.functional_call runs a module on the parameters it is given by
+# swapping them into the module object for the length of the call. XLA calls
+# one jaxify'd module from several threads at once (one per device in a
+# sharded jit, and any user threads): two calls inside the module together
+# would each run on the other's parameters, and each one's gradient with
+# respect to its own parameters would silently come out zero. So the swap and
+# the forward it wraps hold one lock per module; the backward, which runs on
+# the recorded graph after the call, does not. Graph mode traces the forward
+# once (under the same lock) and never swaps again.
+
+
 def jaxify_module(
     module: torch.nn.Module,
     *,
@@ -456,9 +468,11 @@ def jaxify_module(
         raise TypeError(f"jaxify_module: module must be a torch.nn.Module, got {type(module).__name__}.")
     params = {name: t2j(p.detach().clone()) for name, p in module.named_parameters()}
     buffers = dict(module.named_buffers())
+    in_module = threading.RLock()  # NOTE [one module, many threads]
 
     def forward(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        return torch.func.functional_call(module, (params, buffers), args, kwargs)
+        with in_module:
+            return torch.func.functional_call(module, (params, buffers), args, kwargs)
 
     forward.__qualname__ = f"{type(module).__name__}.forward"
     nums = _check_batch_argnums(batch_argnums)

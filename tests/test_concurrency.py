@@ -51,3 +51,39 @@ def test_threads_calling_a_function_and_its_gradient(backend, monkeypatch):
 
     run_in_threads(worker, THREADS)
     assert counts == [CALLS] * THREADS
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, 6)
+        self.fc2 = torch.nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x))).sum()
+
+
+def _mlp_jax(p: dict, x: jax.Array) -> jax.Array:
+    h = jnp.tanh(x @ p["fc1.weight"].T + p["fc1.bias"])
+    return (h @ p["fc2.weight"].T + p["fc2.bias"]).sum()
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_threads_differentiating_one_module(compile):
+    # torch.func.functional_call swaps parameters into the module object: two
+    # threads in one module at once would each run on the other's parameters
+    # (found by the 4-device sharded-jit test, whose devices call in parallel).
+    torch.manual_seed(0)
+    apply, params = t2j_ad.jaxify_module(_Mlp(), compile=compile)
+    g = jax.jit(jax.grad(apply))
+    x = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
+    inputs = [jax.tree_util.tree_map(lambda p, k=k: p * (k + 1) / THREADS, params) for k in range(THREADS)]
+    expected = [jax.grad(_mlp_jax)(p, x) for p in inputs]
+
+    def worker(k: int) -> None:
+        for _ in range(CALLS // 5):
+            got = g(inputs[k], x)
+            for name, want in expected[k].items():
+                np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+    run_in_threads(worker, THREADS)
