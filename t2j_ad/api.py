@@ -1,4 +1,4 @@
-"""jaxify and jaxify_module: pytree flattening, the signature cache, inference."""
+"""jaxify: pytree flattening, the signature cache, inference."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import registration  # noqa: F401 - registers torch_call's rules before any call
-from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, t2j, torch_dtype
+from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, torch_dtype
 from . import graph_mode
 from .graph_mode import resolve_compile_mode
 from .inference import infer_outputs
@@ -116,7 +116,7 @@ class JaxifiedFunction:
             raise TypeError(f"jaxify: torch_fn must be callable, got {type(torch_fn).__name__}.")
         if vmap_method not in VMAP_METHODS:
             raise ValueError(f"jaxify: vmap_method must be one of {VMAP_METHODS}, got {vmap_method!r}.")
-        self.batch_argnums = _check_batch_argnums(batch_argnums)
+        self.batch_argnums = check_batch_argnums(batch_argnums)
         self.torch_fn = torch_fn
         self.vmap_method = vmap_method
         self.compile = resolve_compile_mode(compile, "jaxify")
@@ -318,7 +318,7 @@ class JaxifiedFunction:
         }
 
 
-def _check_batch_argnums(batch_argnums: Any) -> tuple[int, ...] | None:
+def check_batch_argnums(batch_argnums: Any) -> tuple[int, ...] | None:
     if batch_argnums is None:
         return None
     nums = (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums
@@ -391,102 +391,6 @@ def jaxify(
             jaxify, vmap_method=vmap_method, output_shapes=output_shapes, batch_argnums=batch_argnums, compile=compile
         )
     return JaxifiedFunction(torch_fn, vmap_method, output_shapes, batch_argnums=batch_argnums, compile=compile)
-
-
-def _check_params(params: Any, expected: Mapping[str, jax.Array]) -> None:
-    if not isinstance(params, Mapping):
-        raise TypeError(
-            f"params is a {type(params).__name__}; expected the dict of "
-            f"{len(expected)} parameters returned by jaxify_module (name -> array)."
-        )
-    missing = [k for k in expected if k not in params]
-    extra = [k for k in params if k not in expected]
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append("missing " + ", ".join(f"params[{k!r}]" for k in missing))
-        if extra:
-            parts.append("unexpected " + ", ".join(f"params[{k!r}]" for k in extra))
-        raise TypeError(
-            f"params does not match the module's parameters: {'; '.join(parts)}. "
-            f"Pass the dict returned by jaxify_module (or one with the same keys)."
-        )
-    for k, ref in expected.items():
-        value = params[k]
-        shape = getattr(value, "shape", None)
-        if shape is None:
-            raise TypeError(f"params[{k!r}] is a {type(value).__name__}; expected an array of shape {ref.shape}.")
-        if tuple(shape) != tuple(ref.shape):
-            raise TypeError(f"params[{k!r}] has shape {tuple(shape)}; the module's parameter has shape {tuple(ref.shape)}.")
-
-
-# NOTE [one module, many threads]
-# torch.func.functional_call runs a module on the parameters it is given by
-# swapping them into the module object for the length of the call. XLA calls
-# one jaxify'd module from several threads at once (one per device in a
-# sharded jit, and any user threads): two calls inside the module together
-# would each run on the other's parameters, and each one's gradient with
-# respect to its own parameters would silently come out zero. So the swap and
-# the forward it wraps hold one lock per module; the backward, which runs on
-# the recorded graph after the call, does not. Graph mode traces the forward
-# once (under the same lock) and never swaps again.
-
-
-def jaxify_module(
-    module: torch.nn.Module,
-    *,
-    vmap_method: str = "auto",
-    batch_argnums: int | tuple[int, ...] | None = None,
-    compile: str | None = None,
-) -> tuple[Callable[..., Any], dict[str, jax.Array]]:
-    """``apply, params`` for a ``torch.nn.Module``.
-
-    ``params`` maps each name of ``module.named_parameters()`` to a JAX array
-    (a copy, so later in-place training of the module does not change it).
-    ``apply(params, *args, **kwargs)`` runs the module through
-    ``torch.func.functional_call``, with its buffers passed as constants, so JAX
-    can differentiate with respect to ``params``.
-
-    Args:
-        module: the PyTorch module.
-        vmap_method: as in ``jaxify``.
-        batch_argnums: as in ``jaxify``, counting the arguments after
-            ``params`` (``batch_argnums=0``: the first input is a batch the
-            forward maps row by row).
-        compile: as in ``jaxify``.
-
-    Returns:
-        ``(apply, params)``: a JAX function of ``(params, *args, **kwargs)``
-        and the dict of the module's parameters as JAX arrays.
-
-    Raises:
-        TypeError: ``module`` is not a ``torch.nn.Module``; later, from
-            ``apply``: ``params`` lacks a parameter, has an extra one, or one
-            of another shape (the message names it).
-    """
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"jaxify_module: module must be a torch.nn.Module, got {type(module).__name__}.")
-    params = {name: t2j(p.detach().clone()) for name, p in module.named_parameters()}
-    buffers = dict(module.named_buffers())
-    in_module = threading.RLock()  # NOTE [one module, many threads]
-
-    def forward(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        with in_module:
-            return torch.func.functional_call(module, (params, buffers), args, kwargs)
-
-    forward.__qualname__ = f"{type(module).__name__}.forward"
-    nums = _check_batch_argnums(batch_argnums)
-    shifted = None if nums is None else tuple(i + 1 for i in nums)  # params come first
-    jaxified = JaxifiedFunction(forward, vmap_method, None, batch_argnums=shifted, compile=compile)
-
-    def apply(params: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
-        _check_params(params, reference)
-        return jaxified(dict(params), *args, **kwargs)
-
-    reference = dict(params)
-    apply.jaxified = jaxified  # type: ignore[attr-defined]
-    apply.__qualname__ = forward.__qualname__
-    return apply, params
 
 
 def clear_caches() -> None:

@@ -48,9 +48,20 @@ import torch
 from torch import Size as Size
 
 from .api import JaxifiedFunction
-from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, j2t as _j2t, t2j as _t2j, torch_dtype
+from .convert import (
+    ArrayConversionError,
+    UnsupportedDtypeError,
+    canonical_jax_dtype,
+    copy_to_jax,
+    copy_to_torch,
+    jax_dtype,
+    torch_dtype,
+)
+from .convert import j2t as _j2t
+from .convert import t2j as _t2j
 
 __all__ = [
+    "ArrayConversionError",
     "Size",
     "Torch2JaxFunction",
     "Torch2JaxInputError",
@@ -96,7 +107,7 @@ def dtype_j2t(dtype: Any) -> torch.dtype:
 
 # ---------------------------------------------------------------- conversion
 
-_VIAS = ("dlpack", "cpu")
+_VIAS = ("dlpack", "cpu", "host")  # "cpu" and "host": a copy through host memory
 
 
 def _check_via(via: str) -> None:
@@ -104,22 +115,32 @@ def _check_via(via: str) -> None:
         raise ValueError(f"via must be one of {_VIAS}, got {via!r}.")
 
 
+def _jax_device(device: torch.device) -> jax.Device:
+    if device.type == "cuda":
+        return jax.local_devices(backend="gpu")[device.index or 0]
+    return jax.local_devices(backend="cpu")[0]
+
+
 def t2j(x: torch.Tensor, via: str = "dlpack") -> jax.Array:
-    """A JAX array from a torch tensor: shared memory (``via="dlpack"``) or a copy (``"cpu"``)."""
+    """A JAX array from a torch tensor, on the tensor's device: shared memory
+    (``via="dlpack"``) or a copy through host memory (``"cpu"``, ``"host"``)."""
     _check_via(via)
     if via == "dlpack":
         return _t2j(x)
-    device = jax.devices("gpu" if x.is_cuda else "cpu")[0]
-    return jax.device_put(np.asarray(x.detach().cpu().numpy()), device)
+    return copy_to_jax(x, _jax_device(x.device))
 
 
 def j2t(x: jax.Array, via: str = "dlpack") -> torch.Tensor:
-    """A torch tensor from a JAX array: shared memory (``via="dlpack"``) or a copy (``"cpu"``)."""
+    """A torch tensor from a JAX array, on the array's device: shared memory
+    (``via="dlpack"``) or a copy through host memory (``"cpu"``, ``"host"``).
+
+    Raises ``ArrayConversionError``, a ``RuntimeError`` as in torch2jax, for a
+    tracer (inside ``jax.jit``) or an array on several devices.
+    """
     _check_via(via)
     if via == "dlpack":
         return _j2t(x)
-    (device,) = x.devices()
-    return torch.as_tensor(np.array(x), device="cuda" if device.platform == "gpu" else "cpu")
+    return copy_to_torch(x)
 
 
 def tree_t2j(xs: Any, via: str = "dlpack") -> Any:

@@ -60,11 +60,72 @@ def canonical_jax_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
-def j2t(x: Any) -> torch.Tensor:
-    """A torch tensor sharing memory with the JAX array ``x`` (via DLPack)."""
+class ArrayConversionError(RuntimeError, TypeError):
+    """A JAX value with no single buffer to share with PyTorch.
+
+    A ``RuntimeError`` (what torch2jax raises for it) and a ``TypeError``
+    (what JAX raises for a tracer used as an array), so code written for
+    either catches it.
+    """
+
+
+def single_device(x: Any) -> tuple[jax.Array, jax.Device]:
+    """``x`` as a JAX array, and the one device it lives on.
+
+    Raises:
+        ArrayConversionError: ``x`` is a tracer (inside ``jax.jit``, ``grad``
+            or ``vmap`` it holds no numbers) or lives on several devices.
+    """
     x = jnp.asarray(x)
+    try:
+        devices = x.devices()
+    except jax.errors.ConcretizationTypeError:
+        raise ArrayConversionError(
+            "j2t: x is a traced value (inside jax.jit, jax.grad or jax.vmap), which holds no numbers "
+            "to share with PyTorch. Convert concrete arrays outside the transform, or wrap the PyTorch "
+            "code with t2j_ad.jaxify to run it inside."
+        ) from None
+    if len(devices) != 1:
+        raise ArrayConversionError(
+            f"j2t: x is split or replicated over {len(devices)} devices, and a torch tensor lives on one. "
+            f"Convert its shards one by one ([j2t(s.data) for s in x.addressable_shards]) or move it to "
+            f"one device first (jax.device_put(x, jax.devices()[0]))."
+        )
+    (device,) = devices
+    return x, device
+
+
+def torch_device(device: jax.Device) -> torch.device:
+    """The torch device for a (local) JAX device: ``cuda:<n>`` or ``cpu``."""
+    if device.platform == "gpu":
+        return torch.device("cuda", device.local_hardware_id)
+    return torch.device("cpu")
+
+
+def j2t(x: Any) -> torch.Tensor:
+    """A torch tensor sharing memory with the JAX array ``x`` (via DLPack),
+    on ``x``'s device.
+
+    Raises:
+        ArrayConversionError: as ``single_device``.
+        UnsupportedDtypeError: ``x``'s dtype has no torch counterpart.
+    """
+    x, _ = single_device(x)
     torch_dtype(x.dtype)  # refuse unsupported dtypes with our message
     return torch.from_dlpack(x)
+
+
+def copy_to_torch(x: Any) -> torch.Tensor:
+    """A torch tensor holding a copy of the JAX array ``x``, made through
+    host memory, on the torch device matching ``x``'s (raises as ``j2t``)."""
+    x, device = single_device(x)
+    torch_dtype(x.dtype)
+    value = np.array(x)
+    if value.dtype == jnp.bfloat16:  # NumPy has no bfloat16; JAX's is bit-compatible
+        host = torch.from_numpy(value.view(np.int16)).view(torch.bfloat16)
+    else:
+        host = torch.from_numpy(value)
+    return host.to(torch_device(device))
 
 
 def t2j(t: torch.Tensor) -> jax.Array:
@@ -81,7 +142,28 @@ def t2j(t: torch.Tensor) -> jax.Array:
         t = t.resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
+    if t.is_cuda:
+        # PyTorch exports a CUDA tensor only while its device is the current one.
+        with torch.cuda.device(t.device):
+            return jax.dlpack.from_dlpack(t)
     return jax.dlpack.from_dlpack(t)
+
+
+def copy_to_jax(t: torch.Tensor, device: Any = None) -> jax.Array:
+    """A JAX array holding a copy of ``t``, placed by ``jax.device_put`` on
+    ``device`` (a ``jax.Device`` or ``Sharding``; JAX's default device when
+    None).
+
+    The copy goes through host memory, so it needs no JAX backend for ``t``'s
+    own device (a CPU module's parameters reach a GPU-only JAX).
+    """
+    jax_dtype(t.dtype)
+    host = t.detach().resolve_conj().resolve_neg().to("cpu", copy=True).contiguous()
+    if host.dtype == torch.bfloat16:  # NumPy has no bfloat16; JAX's is bit-compatible
+        value = host.view(torch.int16).numpy().view(jnp.bfloat16)
+    else:
+        value = host.numpy()
+    return jax.device_put(value, device)
 
 
 def _is_tensor(x: Any) -> bool:
@@ -91,8 +173,8 @@ def _is_tensor(x: Any) -> bool:
 def tree_t2j(tree: Any) -> Any:
     """Every torch tensor in ``tree`` as a JAX array; other leaves unchanged.
 
-    Zero-copy through DLPack: the array shares the tensor's memory (and its
-    device), so the tensor must not be written to afterwards.
+    Zero-copy through DLPack: each array shares its tensor's memory and stays
+    on its device, so the tensor must not be written to afterwards.
     """
     return jax.tree_util.tree_map(lambda x: t2j(x) if _is_tensor(x) else x, tree, is_leaf=_is_tensor)
 
@@ -100,7 +182,8 @@ def tree_t2j(tree: Any) -> Any:
 def tree_j2t(tree: Any) -> Any:
     """Every JAX array in ``tree`` as a torch tensor; other leaves unchanged.
 
-    Zero-copy through DLPack: the tensor shares the array's memory (and its
-    device); JAX arrays are immutable, so do not write into the tensor.
+    Zero-copy through DLPack: each tensor shares its array's memory and stays
+    on its device; JAX arrays are immutable, so do not write into the tensor.
+    Raises ``ArrayConversionError`` for a tracer or a multi-device array.
     """
     return jax.tree_util.tree_map(lambda x: j2t(x) if isinstance(x, jax.Array) else x, tree)

@@ -168,6 +168,10 @@ class _Runner:
         # are cast on copy (see NOTE [64-bit outputs] in api.py): None.
         self.dtypes = (None,) * self.n_out if fun.transforms else fun.base.torch_out_dtypes
         self.forward_ad = any(isinstance(t, Jvp) for t in fun.transforms)
+        # Outputs on another device than the call's are refused by name. On a
+        # CPU-only PyTorch the only other device is meta, which copy_ refuses
+        # anyway, so only a CUDA build pays for comparing devices per output.
+        self.other_devices = torch.cuda.is_available()
 
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
         # The hot path of every call (microseconds matter: see
@@ -206,17 +210,39 @@ class _Runner:
                     self._refuse_mutation(inputs)
             if not checked:
                 self.base.mutation_checked = True
-            if self.direct_single:
-                if type(results) is not _Tensor or results.shape != self.shapes[0] or results.dtype is not self.dtypes[0]:
-                    self._check_outputs((results,))  # raises, unless a tensor subclass
-                outputs[0].copy_(results)
-                return
-            if type(results) is not tuple or len(results) != self.n_out:
-                self._check_outputs(results)  # raises, naming the problem
-            for out, r, shape, dtype in zip(outputs, results, self.shapes, self.dtypes):
-                if not isinstance(r, _Tensor) or r.shape != shape or (dtype is not None and r.dtype != dtype):
-                    self._check_outputs(results)  # raises, naming the output
-                out.copy_(r)
+            try:
+                if self.direct_single:
+                    out = outputs[0]
+                    if (
+                        type(results) is not _Tensor
+                        or results.shape != self.shapes[0]
+                        or results.dtype is not self.dtypes[0]
+                        or (self.other_devices and results.get_device() != out.get_device())
+                    ):
+                        self._check_outputs((results,), outputs)  # raises, unless a tensor subclass
+                    out.copy_(results)
+                    return
+                if type(results) is not tuple or len(results) != self.n_out:
+                    self._check_outputs(results, outputs)  # raises, naming the problem
+                other_devices = self.other_devices
+                for out, r, shape, dtype in zip(outputs, results, self.shapes, self.dtypes):
+                    if (
+                        not isinstance(r, _Tensor)
+                        or r.shape != shape
+                        or (dtype is not None and r.dtype != dtype)
+                        or (other_devices and r.get_device() != out.get_device())
+                    ):
+                        self._check_outputs(results, outputs)  # raises, naming the output
+                    out.copy_(r)
+            except TorchCallError:
+                raise
+            except Exception:
+                # copy_ refused (a meta tensor): name the output if that is why.
+                try:
+                    self._check_outputs(results if isinstance(results, tuple) else (results,), outputs)
+                except TorchCallError as named:
+                    raise named from None
+                raise
         finally:
             _set_grad_enabled(previous)
 
@@ -276,7 +302,7 @@ class _Runner:
             f"PyTorch traceback:\n{''.join(traceback.format_exception(err))}"
         )
 
-    def _check_outputs(self, results: object) -> None:
+    def _check_outputs(self, results: object, outputs: Sequence[torch.Tensor]) -> None:
         """Raise an error naming the first output that does not match."""
         if not isinstance(results, tuple) or len(results) != self.n_out:
             raise TorchCallError(
@@ -297,6 +323,14 @@ class _Runner:
                 raise TorchCallError(
                     f"{self.name}: {name} has dtype {jax_dtype(r.dtype)}, "
                     f"but {jax_dtype(declared)} was declared (output_shapes or the inferred dtype)."
+                )
+        for name, r, out in zip(self.out_names, results, outputs):
+            if r.device != out.device:
+                raise TorchCallError(
+                    f"{self.name}: {name} is on device {r.device}, but this call runs on {out.device} "
+                    f"(where its inputs and XLA's output buffers are). t2j_ad does not move results "
+                    f"between devices behind your back: make the tensor on the inputs' device "
+                    f"(torch.zeros(..., device=x.device), or .to(x.device))."
                 )
 
     def _refuse_mutation(self, inputs: Sequence[torch.Tensor]) -> None:

@@ -1,0 +1,172 @@
+"""``jaxify_module``: a ``torch.nn.Module`` as ``apply(params, *args)``.
+
+NOTE [a module's devices]
+A module's parameters become JAX arrays that the user owns: they are copied
+through host memory and placed by ``jax.device_put`` on ``device=`` (JAX's
+default device when not given), so a module built on the CPU serves a GPU-only
+JAX (``JAX_PLATFORMS=cuda``, where JAX has no CPU backend to take a CPU tensor
+by DLPack), and its parameters land where the inputs will be. The buffers
+(``BatchNorm`` statistics, masks, tables) stay torch tensors, passed as
+constants; each call uses them on the device the call runs on, copied there
+once per device and copied again only after the module changed them in place
+(their ``_version`` moved). A call runs where its arrays are, so one module
+serves CPU and GPU calls alike.
+
+NOTE [one module, many threads]
+torch.func.functional_call runs a module on the parameters it is given by
+swapping them into the module object for the length of the call. XLA calls
+one jaxify'd module from several threads at once (one per device in a
+sharded jit, and any user threads): two calls inside the module together
+would each run on the other's parameters, and each one's gradient with
+respect to its own parameters would silently come out zero. So the swap and
+the forward it wraps hold one lock per module; the backward, which runs on
+the recorded graph after the call, does not. Graph mode traces the forward
+once (under the same lock) and never swaps again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import torch
+
+from .api import JaxifiedFunction, check_batch_argnums
+from .convert import copy_to_jax
+
+
+class _BuffersByDevice:
+    """A module's buffers on each device calls run on (NOTE [a module's devices])."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.home = dict(module.named_buffers())
+        self.lock = threading.Lock()
+        self.copies: dict[torch.device, tuple[tuple[int, ...], dict[str, torch.Tensor]]] = {}
+
+    def on(self, device: torch.device | None) -> dict[str, torch.Tensor]:
+        if device is None or all(b.device == device for b in self.home.values()):
+            return self.home
+        versions = tuple(b._version for b in self.home.values())
+        with self.lock:
+            cached = self.copies.get(device)
+            if cached is not None and cached[0] == versions:
+                return cached[1]
+            moved = {name: b.to(device) for name, b in self.home.items()}
+            # Only real tensors are kept: a trace (fake or meta tensors) gets
+            # its own copies, which must not leak into later calls.
+            if device.type != "meta" and all(type(b) is torch.Tensor for b in moved.values()):
+                self.copies[device] = (versions, moved)
+            return moved
+
+
+def _call_device(params: Mapping[str, torch.Tensor], args: Any, kwargs: Any) -> torch.device | None:
+    """The device a call runs on: its first tensor's."""
+    for t in params.values():
+        return t.device
+    for leaf in jax.tree_util.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return None
+
+
+def _check_device(device: Any) -> None:
+    if device is None or isinstance(device, (jax.Device, jax.sharding.Sharding)):
+        return
+    raise TypeError(
+        f"jaxify_module: device must be a jax.Device (e.g. jax.devices('gpu')[0]) or a "
+        f"jax.sharding.Sharding (e.g. NamedSharding(mesh, P()) to replicate the parameters), "
+        f"got {type(device).__name__} {device!r}."
+    )
+
+
+def _check_params(params: Any, expected: Mapping[str, jax.Array]) -> None:
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"params is a {type(params).__name__}; expected the dict of "
+            f"{len(expected)} parameters returned by jaxify_module (name -> array)."
+        )
+    missing = [k for k in expected if k not in params]
+    extra = [k for k in params if k not in expected]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append("missing " + ", ".join(f"params[{k!r}]" for k in missing))
+        if extra:
+            parts.append("unexpected " + ", ".join(f"params[{k!r}]" for k in extra))
+        raise TypeError(
+            f"params does not match the module's parameters: {'; '.join(parts)}. "
+            f"Pass the dict returned by jaxify_module (or one with the same keys)."
+        )
+    for k, ref in expected.items():
+        value = params[k]
+        shape = getattr(value, "shape", None)
+        if shape is None:
+            raise TypeError(f"params[{k!r}] is a {type(value).__name__}; expected an array of shape {ref.shape}.")
+        if tuple(shape) != tuple(ref.shape):
+            raise TypeError(f"params[{k!r}] has shape {tuple(shape)}; the module's parameter has shape {tuple(ref.shape)}.")
+
+
+def jaxify_module(
+    module: torch.nn.Module,
+    *,
+    vmap_method: str = "auto",
+    batch_argnums: int | tuple[int, ...] | None = None,
+    compile: str | None = None,
+    device: jax.Device | jax.sharding.Sharding | None = None,
+) -> tuple[Callable[..., Any], dict[str, jax.Array]]:
+    """``apply, params`` for a ``torch.nn.Module``.
+
+    ``params`` maps each name of ``module.named_parameters()`` to a JAX array
+    (a copy, so later in-place training of the module does not change it).
+    ``apply(params, *args, **kwargs)`` runs the module through
+    ``torch.func.functional_call``, with its buffers passed as constants, so JAX
+    can differentiate with respect to ``params``. Each call runs on the device
+    of its arrays, the buffers copied there (NOTE [a module's devices]).
+
+    Args:
+        module: the PyTorch module, on any device.
+        vmap_method: as in ``jaxify``.
+        batch_argnums: as in ``jaxify``, counting the arguments after
+            ``params`` (``batch_argnums=0``: the first input is a batch the
+            forward maps row by row).
+        compile: as in ``jaxify``.
+        device: where ``params`` are placed: a ``jax.Device`` or a
+            ``jax.sharding.Sharding``; JAX's default device when None.
+
+    Returns:
+        ``(apply, params)``: a JAX function of ``(params, *args, **kwargs)``
+        and the dict of the module's parameters as JAX arrays.
+
+    Raises:
+        TypeError: ``module`` is not a ``torch.nn.Module`` or ``device`` is
+            not a JAX device or sharding; later, from ``apply``: ``params``
+            lacks a parameter, has an extra one, or one of another shape (the
+            message names it).
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"jaxify_module: module must be a torch.nn.Module, got {type(module).__name__}.")
+    _check_device(device)
+    params = {name: copy_to_jax(p, device) for name, p in module.named_parameters()}
+    buffers = _BuffersByDevice(module)
+    in_module = threading.RLock()  # NOTE [one module, many threads]
+
+    def forward(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        on_device = buffers.on(_call_device(params, args, kwargs))
+        with in_module:
+            return torch.func.functional_call(module, (params, on_device), args, kwargs)
+
+    forward.__qualname__ = f"{type(module).__name__}.forward"
+    nums = check_batch_argnums(batch_argnums)
+    shifted = None if nums is None else tuple(i + 1 for i in nums)  # params come first
+    jaxified = JaxifiedFunction(forward, vmap_method, None, batch_argnums=shifted, compile=compile)
+
+    def apply(params: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        _check_params(params, reference)
+        return jaxified(dict(params), *args, **kwargs)
+
+    reference = dict(params)
+    apply.jaxified = jaxified  # type: ignore[attr-defined]
+    apply.__qualname__ = forward.__qualname__
+    return apply, params

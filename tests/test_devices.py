@@ -1,0 +1,214 @@
+"""Devices: where jaxify_module's parameters and buffers live, outputs made on
+another device than the call's, and conversions that keep each leaf's device.
+
+See NOTE [a module's devices] in t2j_ad/module.py. On a CPU-only machine the
+second device that exists is PyTorch's ``meta``; the CUDA tests need a GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import assert_tree_allclose
+
+import t2j_ad
+from t2j_ad import compat
+from t2j_ad.convert import ArrayConversionError, copy_to_jax, copy_to_torch, j2t
+
+ON_GPU = jax.default_backend() == "gpu"
+cuda_only = pytest.mark.skipif(
+    not (ON_GPU and torch.cuda.is_available()),
+    reason="needs a CUDA device for both JAX and PyTorch (JAX's default backend here is "
+    f"{jax.default_backend()}, torch.cuda.is_available() is {torch.cuda.is_available()})",
+)
+
+
+class Shift(torch.nn.Module):
+    """A linear layer plus a buffer the forward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(3, 2)
+        self.register_buffer("shift", torch.tensor([0.5, -1.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.shift
+
+
+# A failure while XLA runs the call reaches the caller as JaxRuntimeError
+# carrying the TorchCallError's text (docs/errors.md).
+RAISED = (jax.errors.JaxRuntimeError, t2j_ad.TorchCallError)
+
+
+def _shift_jax(p: dict, shift: jax.Array, x: jax.Array) -> jax.Array:
+    return x @ p["lin.weight"].T + p["lin.bias"] + shift
+
+
+def _x() -> jax.Array:
+    return jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(4, 3)
+
+
+# ------------------------------------------------------------ jaxify_module
+
+
+def test_params_on_jax_default_device():
+    module = Shift()
+    _, params = t2j_ad.jaxify_module(module)
+    for name, p in params.items():
+        assert p.devices() == {jax.devices()[0]}, name
+        np.testing.assert_array_equal(np.asarray(p), module.get_parameter(name).detach().cpu().numpy())
+
+
+def test_params_are_copies():
+    module = Shift()
+    apply, params = t2j_ad.jaxify_module(module)
+    before = np.asarray(params["lin.weight"]).copy()
+    with torch.no_grad():
+        module.lin.weight.add_(1.0)  # training the module in place later
+    np.testing.assert_array_equal(np.asarray(params["lin.weight"]), before)
+
+
+def test_params_need_no_dlpack_import(monkeypatch):
+    # With JAX_PLATFORMS=cuda, JAX has no CPU backend to take a CPU tensor by
+    # DLPack ("Unknown backend cpu"); the parameters must not go that way.
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Unknown backend cpu")
+
+    monkeypatch.setattr(jax.dlpack, "from_dlpack", refuse)
+    module = Shift()
+    apply, params = t2j_ad.jaxify_module(module)
+    shift = jnp.asarray(module.shift.numpy())
+    assert_tree_allclose(jax.jit(apply)(params, _x()), _shift_jax(params, shift, _x()))
+
+
+def test_device_keyword_places_params():
+    device = jax.devices()[-1]
+    apply, params = t2j_ad.jaxify_module(Shift(), device=device)
+    assert {d for p in params.values() for d in p.devices()} == {device}
+    single = jax.sharding.SingleDeviceSharding(device)
+    _, again = t2j_ad.jaxify_module(Shift(), device=single)
+    assert all(p.sharding == single for p in again.values())
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu"), 0])
+def test_device_keyword_refuses_other_types(device):
+    with pytest.raises(TypeError, match=r"device must be a jax.Device .* got"):
+        t2j_ad.jaxify_module(Shift(), device=device)
+
+
+def test_bfloat16_params_copy_exactly():
+    module = Shift().to(torch.bfloat16)
+    _, params = t2j_ad.jaxify_module(module)
+    assert params["lin.weight"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(params["lin.weight"]).astype(np.float32), module.lin.weight.detach().float().numpy()
+    )
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_buffers_follow_the_call(compile):
+    # Output shapes are inferred on meta tensors: the buffer goes there too.
+    module = Shift()
+    apply, params = t2j_ad.jaxify_module(module, compile=compile)
+    shift = jnp.asarray(module.shift.numpy())
+    assert_tree_allclose(jax.jit(apply)(params, _x()), _shift_jax(params, shift, _x()))
+    grads = jax.jit(jax.grad(lambda p: apply(p, _x()).sum()))(params)
+    assert_tree_allclose(grads, jax.grad(lambda p: _shift_jax(p, shift, _x()).sum())(params))
+
+
+# --------------------------------------------- outputs on another device
+
+
+def _on_meta(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(x.shape, device="meta")
+
+
+def _tuple_on_meta(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x * 2, torch.zeros(x.shape, device="meta")
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+@pytest.mark.parametrize("fn, output", [(_on_meta, "_on_meta: output"), (_tuple_on_meta, r"_tuple_on_meta: output\[1\]")])
+def test_output_on_another_device_is_refused(fn, output, compile):
+    f = t2j_ad.jaxify(fn, compile=compile)
+    with pytest.raises(RAISED, match=rf"{output} is on device meta, but this call runs on cpu") as info:
+        jax.block_until_ready(f(jnp.ones(3)))
+    assert "device=x.device" in str(info.value)
+    # The process lives on, and a correct function still runs.
+    assert_tree_allclose(t2j_ad.jaxify(lambda x: x * 2)(jnp.ones(3)), jnp.full(3, 2.0))
+
+
+@cuda_only
+def test_cpu_output_in_a_gpu_call_is_refused():
+    f = t2j_ad.jaxify(lambda x: (x * 2).cpu())
+    x = jnp.ones(3)
+    with pytest.raises(RAISED, match=r": output is on device cpu, but this call runs on cuda"):
+        jax.block_until_ready(f(x))
+    with pytest.raises(RAISED, match=r"is on device cpu, but this call runs on cuda"):
+        jax.block_until_ready(jax.grad(lambda x: f(x).sum())(x))
+
+
+@cuda_only
+def test_cpu_module_runs_on_the_gpu():
+    module = Shift()  # built on the CPU; JAX's default device is the GPU
+    apply, params = t2j_ad.jaxify_module(module)
+    assert all(d.platform == "gpu" for p in params.values() for d in p.devices())
+    shift = jnp.asarray(module.shift.numpy())
+    assert_tree_allclose(jax.jit(apply)(params, _x()), _shift_jax(params, shift, _x()))
+    with torch.no_grad():
+        module.shift.mul_(3.0)  # changed in place: the next call sees it
+    assert_tree_allclose(jax.jit(apply)(params, _x() + 0), _shift_jax(params, shift * 3.0, _x()))
+
+
+# ---------------------------------------------------------- conversions
+
+
+def test_j2t_of_a_tracer_is_a_runtime_error():
+    @jax.jit
+    def f(x):
+        with pytest.raises(RuntimeError, match="traced value"):
+            j2t(x)
+        with pytest.raises(TypeError, match="traced value"):
+            compat.j2t(x, via="host")
+        return x
+
+    f(jnp.ones(2))
+    assert issubclass(ArrayConversionError, RuntimeError) and issubclass(ArrayConversionError, TypeError)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.bool])
+def test_host_copies_round_trip(dtype, x64):
+    t = torch.arange(6).reshape(2, 3).to(dtype)
+    a = copy_to_jax(t)
+    assert a.devices() == {jax.devices()[0]}
+    back = copy_to_torch(a)
+    assert back.dtype == dtype and back.device == t.device
+    assert torch.equal(back, t)
+    t[0, 0] = 5  # the copies do not share memory
+    assert not torch.equal(back, t)
+
+
+@pytest.mark.parametrize("via", ["dlpack", "cpu", "host"])
+def test_compat_conversions_keep_the_device(via):
+    x = jnp.linspace(0.0, 1.0, 6, dtype=jnp.float32).reshape(2, 3)
+    (device,) = x.devices()
+    t = compat.j2t(x, via=via)
+    assert t.device.type == ("cuda" if device.platform == "gpu" else "cpu")
+    back = compat.t2j(t, via=via)
+    assert back.devices() == {device}
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
+
+
+@cuda_only
+def test_trees_keep_each_leafs_device():
+    tree = {"gpu": torch.ones(2, device="cuda"), "cpu": torch.ones(3), "n": 1}
+    arrays = t2j_ad.tree_t2j(tree)
+    assert arrays["n"] == 1
+    assert {d.platform for d in arrays["gpu"].devices()} == {"gpu"}
+    assert {d.platform for d in arrays["cpu"].devices()} == {"cpu"}
+    back = t2j_ad.tree_j2t(arrays)
+    assert back["gpu"].is_cuda and not back["cpu"].is_cuda
