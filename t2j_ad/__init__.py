@@ -4,6 +4,7 @@ from .api import JaxifiedFunction as JaxifiedFunction
 from .api import clear_caches as clear_caches
 from .api import jaxify as jaxify
 from .module import jaxify_module as jaxify_module
+from .convert import ArrayConversionError as ArrayConversionError
 from .convert import tree_j2t as tree_j2t
 from .convert import tree_t2j as tree_t2j
 from .rules.fallbacks import FallbackWarning as FallbackWarning

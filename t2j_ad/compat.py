@@ -49,7 +49,6 @@ from torch import Size as Size
 
 from .api import JaxifiedFunction
 from .convert import (
-    ArrayConversionError,
     UnsupportedDtypeError,
     canonical_jax_dtype,
     copy_to_jax,
@@ -61,7 +60,6 @@ from .convert import j2t as _j2t
 from .convert import t2j as _t2j
 
 __all__ = [
-    "ArrayConversionError",
     "Size",
     "Torch2JaxFunction",
     "Torch2JaxInputError",
@@ -134,7 +132,7 @@ def j2t(x: jax.Array, via: str = "dlpack") -> torch.Tensor:
     """A torch tensor from a JAX array, on the array's device: shared memory
     (``via="dlpack"``) or a copy through host memory (``"cpu"``, ``"host"``).
 
-    Raises ``ArrayConversionError``, a ``RuntimeError`` as in torch2jax, for a
+    Raises ``t2j_ad.ArrayConversionError``, a ``RuntimeError`` as in torch2jax, for a
     tracer (inside ``jax.jit``) or an array on several devices.
     """
     _check_via(via)
@@ -371,8 +369,10 @@ class Torch2JaxFunction:
 def _refuse_sharding(output_sharding_spec: Any, name: str) -> None:
     if output_sharding_spec is not None:
         raise NotImplementedError(
-            f"{name}(output_sharding_spec=...) is not supported yet: t2j_ad has no multi-device "
-            f"support. Leave output_sharding_spec=None."
+            f"{name}(output_sharding_spec=...) is not supported yet: t2j_ad partitions a call "
+            f"from its inputs' shardings instead. Leave output_sharding_spec=None, and declare the "
+            f"batch axis with t2j_ad.jaxify(fn, batch_argnums=...) or call inside jax.shard_map "
+            f"(docs/multi-device.md)."
         )
 
 
