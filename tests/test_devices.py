@@ -212,3 +212,17 @@ def test_trees_keep_each_leafs_device():
     assert {d.platform for d in arrays["cpu"].devices()} == {"cpu"}
     back = t2j_ad.tree_j2t(arrays)
     assert back["gpu"].is_cuda and not back["cpu"].is_cuda
+
+
+@cuda_only
+def test_xla_stream_is_wrapped_once_per_device():
+    from t2j_ad import runtime
+
+    f = jax.jit(t2j_ad.jaxify(lambda x: torch.sin(x) * 2))
+    x = jnp.ones(8)
+    for _ in range(3):
+        assert_tree_allclose(f(x), jnp.sin(x) * 2)
+    wrapped = dict(runtime._external_streams)
+    assert wrapped and all(s.device_index == device for (_, device), s in wrapped.items())
+    assert_tree_allclose(f(x + 1), jnp.sin(x + 1) * 2)
+    assert runtime._external_streams == wrapped
