@@ -37,6 +37,7 @@ errors, and hands the work to ``JaxifiedFunction``:
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,7 +69,9 @@ __all__ = [
     "j2t",
     "t2j",
     "torch2jax",
+    "torch2jax_auto",
     "torch2jax_with_vjp",
+    "torch2jax_without_vjp",
     "tree_j2t",
     "tree_t2j",
 ]
@@ -383,6 +386,7 @@ def torch2jax(
     output_shapes: Any = None,
     output_sharding_spec: Any = None,
     vmap_method: str = "sequential",
+    depth: int = 2,
 ) -> Torch2JaxFunction:
     """A JAX function calling the PyTorch function ``fn``, as torch2jax's ``torch2jax``.
 
@@ -399,12 +403,58 @@ def torch2jax(
         output_sharding_spec: not supported yet (raises NotImplementedError).
         vmap_method: how a batch reaches PyTorch under ``jax.vmap``:
             ``"sequential"``, ``"expand_dims"``, ``"broadcast_all"`` or ``"auto"``.
+        depth: accepted for compatibility and ignored, as in
+            ``torch2jax_with_vjp`` (torch2jax 0.8 made ``torch2jax``
+            differentiable to ``depth``; ``depth=0`` was forward only).
 
-    Unlike torch2jax's, the result is differentiable to any order, in
-    forward and reverse mode (see ``torch2jax_with_vjp``).
+    The result is differentiable to any order, in forward and reverse mode
+    (see ``torch2jax_with_vjp``).
     """
+    del depth  # NOTE [torch2jax compatibility]
     _refuse_sharding(output_sharding_spec, "torch2jax")
     return Torch2JaxFunction(fn, example_args, example_kw, output_shapes=output_shapes, vmap_method=vmap_method)
+
+
+def torch2jax_without_vjp(
+    fn: Callable[..., Any],
+    *example_args: Any,
+    example_kw: dict[str, Any] | None = None,
+    output_shapes: Any = None,
+    output_sharding_spec: Any = None,
+    vmap_method: str = "sequential",
+) -> Torch2JaxFunction:
+    """torch2jax's forward-only wrapper: here ``torch2jax`` itself, whose
+    result is also differentiable (a superset of what torch2jax offers)."""
+    return torch2jax(
+        fn,
+        *example_args,
+        example_kw=example_kw,
+        output_shapes=output_shapes,
+        output_sharding_spec=output_sharding_spec,
+        vmap_method=vmap_method,
+    )
+
+
+def torch2jax_auto(torch_fn: Callable[..., Any], output_shapes: Any = None, **kwargs: Any) -> Callable[..., Any]:
+    """A JAX function of ``torch_fn`` with no example arguments, as
+    torch2jax's ``torch2jax_auto``: the first call's argument shapes and
+    dtypes serve as the examples, and later calls with other shapes are
+    accepted as ``torch2jax`` accepts them (with a warning, outputs inferred
+    again). ``kwargs`` go to ``torch2jax_with_vjp``.
+    """
+    wrapped: list[Torch2JaxFunction] = []
+    lock = threading.Lock()
+
+    def call(*args: Any) -> Any:
+        if not wrapped:
+            examples = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), args)
+            with lock:
+                if not wrapped:
+                    wrapped.append(torch2jax_with_vjp(torch_fn, *examples, output_shapes=output_shapes, **kwargs))
+        return wrapped[0](*args)
+
+    functools.update_wrapper(call, torch_fn)
+    return call
 
 
 def _nondiff_mask(example_args: tuple[Any, ...], nondiff_argnums: Any, nondiff_mask: Any) -> list[bool] | None:

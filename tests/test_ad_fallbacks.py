@@ -427,3 +427,31 @@ def test_numpy_sort_along_an_axis_of_a_matrix():
             lambda x: jnp.sort(x, axis=1) * jnp.tanh(x),
             X2,
         )
+
+
+# ------------------------------------------------- reading a tensor's data
+# Code that reads a tensor's memory (.numpy() of its input, for a constant)
+# works eagerly but not inside torch.func, whose wrapper tensors have no
+# storage. Reverse mode falls back to torch.autograd.grad, forward mode to
+# the double-vjp trick on top of it; the NumPy value is a constant to both.
+
+
+def _scaled_by_numpy(x: torch.Tensor) -> torch.Tensor:
+    scale = torch.from_numpy(np.cos(x.detach().numpy()))
+    return (x * scale).sum()
+
+
+def _scaled_jax(x: jax.Array) -> jax.Array:
+    return (x * jax.lax.stop_gradient(jnp.cos(x))).sum()
+
+
+def test_function_reading_numpy_differentiates():
+    f = t2j_ad.jaxify(_scaled_by_numpy)
+    transforms = [("grad", jax.grad), ("jacfwd", jax.jacfwd), ("hessian", jax.hessian)]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        check(transforms, f, _scaled_jax, X)
+        batch = jnp.stack([X, V])
+        assert_tree_allclose(jax.vmap(jax.grad(f))(batch), jax.vmap(jax.grad(_scaled_jax))(batch))
+    assert_warned_once(record, "reverse mode of '_scaled_by_numpy'", "doesn't have storage", ".numpy()")
+    assert_warned_once(record, "forward mode of '_scaled_by_numpy'", "doesn't have storage")

@@ -506,3 +506,54 @@ def test_tree_conversions(via):
     assert Size is torch.Size
     with pytest.raises(ValueError, match="via must be one of"):
         tree_t2j(tree, via="gpu")
+
+
+# ------------------------------------------------ torch2jax 0.8's additions
+
+
+def test_torch2jax_takes_depth_and_is_differentiable():
+    xt = torch.randn(5)
+    for depth in (0, 1, 2):
+        jax_fn = torch2jax(lambda x: torch.sin(x).sum(), xt, depth=depth)
+        x = jnp.asarray(xt.numpy())
+        assert_tree_allclose(jax.grad(jax_fn)(x), jnp.cos(x))
+
+
+def test_torch2jax_without_vjp_is_torch2jax():
+    from t2j_ad.compat import torch2jax_without_vjp
+
+    xt, yt = torch.randn(3, 4), torch.randn(4)
+    jax_fn = jax.jit(torch2jax_without_vjp(lambda x, y: x @ y, xt, yt, output_shapes=Size([3])))
+    x, y = tree_t2j((xt, yt))
+    assert_tree_allclose(jax_fn(x, y), x @ y)
+
+
+def test_torch2jax_auto_takes_its_examples_from_the_first_call():
+    from t2j_ad.compat import torch2jax_auto
+
+    calls = []
+
+    def torch_fn(x, y):
+        calls.append((tuple(x.shape), x.dtype))
+        return torch.tanh(x) * y
+
+    jax_fn = torch2jax_auto(torch_fn)
+    x, y = jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(2, 3), jnp.float32(2.0)
+    assert_tree_allclose(jax.jit(jax_fn)(x, y), jnp.tanh(x) * y)
+    grad = jax.jit(jax.grad(lambda x: jax_fn(x, y).sum()))(x)
+    assert_tree_allclose(grad, jax.grad(lambda x: (jnp.tanh(x) * y).sum())(x))
+    assert ((2, 3), torch.float32) in calls
+    with pytest.warns(UserWarning):  # another shape: accepted, as torch2jax does, with a warning
+        assert_tree_allclose(jax_fn(x[0], y), jnp.tanh(x[0]) * y)
+
+
+def test_torch_vjp_that_cannot_read_data_falls_back():
+    # torch2jax 0.8 falls back to torch.autograd.grad when torch.func.vjp
+    # refuses; so does t2j_ad (with a FallbackWarning).
+    def torch_fn(x):
+        return x * torch.from_numpy(np.cos(x.detach().numpy()))
+
+    jax_fn = torch2jax_with_vjp(torch_fn, torch.ones(4), depth=1)
+    x = jnp.linspace(0.0, 1.0, 4, dtype=jnp.float32)
+    got = jax.grad(lambda x: jax_fn(x).sum())(x)
+    assert_tree_allclose(got, jnp.cos(x))

@@ -68,13 +68,29 @@ _FORWARD_REFUSALS = {
     # input that has none (torch 2.x: jacfwd(grad(mse_loss)) with the target
     # closed over); reverse mode has no such formula, so the trick works.
     "ZeroTensors are immutable": " (A PyTorch forward-mode formula failed; reverse mode has no such formula.)",
+    "doesn't have storage": " (The function reads a tensor's data, e.g. with .numpy(), which torch.func cannot trace.)",
 }
-_FUNCTORCH_REFUSALS = ("must override the setup_context staticmethod", _INNER_AUTOGRAD)
+# Reverse-mode refusals -> the advice the fallback warning adds.
+_FUNCTORCH_REFUSALS = {
+    "must override the setup_context staticmethod": (
+        " Define setup_context (and vmap/jvp) on the autograd.Function to use torch.func."
+    ),
+    _INNER_AUTOGRAD: "",
+    # Reading a tensor's memory (.numpy(), .tolist(), a data pointer) inside
+    # torch.func: its wrapper tensors have none. autograd.grad runs the
+    # function on plain tensors, where the read works (and is a constant).
+    "doesn't have storage": " (The function reads a tensor's data, e.g. with .numpy(), which torch.func cannot trace.)",
+}
 
 
 def _refused(err: BaseException, needles: Iterable[str]) -> bool:
     text = str(err)
     return isinstance(err, (RuntimeError, NotImplementedError)) and any(n in text for n in needles)
+
+
+def _advice(err: BaseException, refusals: dict[str, str]) -> str:
+    """What the warning adds for the refusal ``err`` matched."""
+    return next(a for needle, a in refusals.items() if needle in str(err))
 
 
 class _Provisional:
@@ -174,9 +190,7 @@ def reverse_mode(
                 "vjp",
                 f"t2j_ad: reverse mode of {base.name!r} falls back to "
                 f"torch.autograd.grad because torch.func.vjp refused it "
-                f"({_first_line(err)}). Results are exact; define "
-                f"setup_context (and vmap/jvp) on the autograd.Function to "
-                f"use torch.func.",
+                f"({_first_line(err)}). Results are exact.{_advice(err, _FUNCTORCH_REFUSALS)}",
             )
     return autograd_vjp(fn, primals, cotangents)
 
@@ -221,7 +235,7 @@ def forward_mode(
             if not _refused(err, _FORWARD_REFUSALS):
                 raise
             decided[("jvp", key)] = "double_vjp"
-            advice = next(a for needle, a in _FORWARD_REFUSALS.items() if needle in str(err))
+            advice = _advice(err, _FORWARD_REFUSALS)
             warn_once(
                 base,
                 "jvp",
