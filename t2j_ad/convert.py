@@ -21,6 +21,11 @@ _PAIRS = [
     (jnp.int32, torch.int32),
     (jnp.int64, torch.int64),
     (jnp.uint8, torch.uint8),
+    # PyTorch's wider unsigned dtypes carry values across (copies, views,
+    # comparisons), though few PyTorch ops compute on them.
+    (jnp.uint16, torch.uint16),
+    (jnp.uint32, torch.uint32),
+    (jnp.uint64, torch.uint64),
     (jnp.bool_, torch.bool),
     (jnp.complex64, torch.complex64),
     (jnp.complex128, torch.complex128),

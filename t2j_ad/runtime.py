@@ -237,7 +237,8 @@ class _Runner:
                         or results.dtype is not self.dtypes[0]
                         or (self.other_devices and results.get_device() != out.get_device())
                     ):
-                        self._check_outputs((results,), outputs)  # raises, unless a tensor subclass
+                        # Raises (a tuple: naming the count), unless a tensor subclass.
+                        self._check_outputs(results if isinstance(results, tuple) else (results,), outputs)
                     out.copy_(results)
                     return
                 if type(results) is not tuple or len(results) != self.n_out:
@@ -324,8 +325,8 @@ class _Runner:
         """Raise an error naming the first output that does not match."""
         if not isinstance(results, tuple) or len(results) != self.n_out:
             raise TorchCallError(
-                f"{self.name} returned {type(results).__name__} of "
-                f"{len(results) if isinstance(results, tuple) else '?'} outputs; "
+                f"{self.name} returned {len(results) if isinstance(results, tuple) else '?'} outputs "
+                f"(a {type(results).__name__}); "
                 f"expected {self.n_out} (output structure changed between calls?)."
             )
         for name, r, aval in zip(self.out_names, results, self.out_avals):
@@ -334,13 +335,13 @@ class _Runner:
             if tuple(r.shape) != aval.shape:
                 raise TorchCallError(
                     f"{self.name}: {name} has shape {tuple(r.shape)}, but "
-                    f"{aval.shape} was declared (output_shapes or the inferred shape)."
+                    f"{aval.shape} was declared: expected by output_shapes or by the inferred shape."
                 )
         for name, r, declared in zip(self.out_names, results, self.dtypes):
             if declared is not None and r.dtype != declared:
                 raise TorchCallError(
                     f"{self.name}: {name} has dtype {jax_dtype(r.dtype)}, "
-                    f"but {jax_dtype(declared)} was declared (output_shapes or the inferred dtype)."
+                    f"but {jax_dtype(declared)} was declared: expected by output_shapes or by the inferred dtype."
                 )
         for name, r, out in zip(self.out_names, results, outputs):
             if r.device != out.device:

@@ -121,6 +121,23 @@ def test_every_dtype_round_trips(dtype, use_jit, x64):
     assert_tree_allclose(out, expected)
 
 
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64"])
+def test_wide_unsigned_dtypes_cross(dtype, x64):
+    # PyTorch carries them (copies, views, equality) but computes little on
+    # them: no arithmetic here, only what PyTorch implements.
+    f = t2j_ad.jaxify(lambda a: (a[1:].clone(), a == 2))
+    x = jnp.array([1, 2, 2**16 - 1], dtype)
+    for g in (f, jax.jit(f)):
+        tail, equal = g(x)
+        assert tail.dtype == x.dtype
+        assert_tree_allclose((tail, equal), (x[1:], x == 2))
+    batch = jnp.stack([x, x[::-1]])
+    assert_tree_allclose(jax.vmap(f)(batch), jax.vmap(lambda a: (a[1:], a == 2))(batch))
+    back = t2j_ad.tree_t2j(t2j_ad.tree_j2t(x))
+    assert back.dtype == x.dtype
+    assert_tree_allclose(back, x)
+
+
 @pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (1,)])
 def test_zero_dim_and_empty_arrays(shape):
     f = t2j_ad.jaxify(lambda x: x * 3)

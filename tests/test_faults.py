@@ -290,7 +290,7 @@ def _result_faults() -> list[Fault]:
         Fault(
             "wrong output structure",
             lambda: wrong_structure(BAD),
-            r"returned dict of \? outputs; expected 2 \(output structure changed",
+            r"returned \? outputs \(a dict\); expected 2 \(output structure changed",
             lambda: (wrong_structure(GOOD), (GOOD * 2, GOOD)),
         ),
         Fault(
