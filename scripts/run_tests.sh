@@ -10,7 +10,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+source scripts/test_sets.sh
 PY="${T2J_AD_VENV:-.venv}/bin/python"
+# The tests follow JAX's default platform; .venv has the CPU torch, so JAX is
+# pinned to the CPU here too (on a CUDA machine: scripts/run_gpu_checks.sh).
 export JAX_PLATFORMS=cpu T2J_AD_TORCH_THREADS=1
 # Each pytest run appends the number of property examples it executed here
 # (NOTE [counting examples] in tests/property/conftest.py); summed at the end.
@@ -32,11 +35,8 @@ echo "== 4 simulated devices: sharded jit, shard_map, pmap, 2 processes =="
 XLA_FLAGS=--xla_force_host_platform_device_count=4 "$PY" -m pytest tests/multidevice -q -p no:cacheprovider "$@"
 
 echo "== core transform tests and property suite, compile='graph' =="
-# Fewer property examples than the eager run above (60 per pair): the same
-# math, every example traced; CI's 20-minute budget has room for 8 per pair.
-T2J_AD_COMPILE=graph T2J_AD_HYPOTHESIS_EXAMPLES=8 "$PY" -m pytest -q -p no:cacheprovider \
-  tests/test_ad.py tests/test_batching.py tests/test_module.py tests/test_ad_fallbacks.py tests/property "$@"
+T2J_AD_COMPILE=graph T2J_AD_HYPOTHESIS_EXAMPLES="$GRAPH_MODE_EXAMPLES" "$PY" -m pytest -q -p no:cacheprovider \
+  "${GRAPH_MODE_TESTS[@]}" "$@"
 
 echo "== core tests, callback backend =="
-T2J_AD_BACKEND=callback "$PY" -m pytest -q -p no:cacheprovider \
-  tests/test_api.py tests/test_module.py tests/test_bad_input.py tests/test_ad.py tests/test_batching.py "$@"
+T2J_AD_BACKEND=callback "$PY" -m pytest -q -p no:cacheprovider "${CALLBACK_TESTS[@]}" "$@"

@@ -1,13 +1,25 @@
-"""Shared test set-up: CPU only, quiet threads, and reference comparisons."""
+"""Shared test set-up: JAX's default platform (CPU or a CUDA GPU), full float32
+matmuls on both sides, quiet threads, and reference comparisons.
+
+The suite runs on whatever platform JAX defaults to. What a test needs to be
+right on both lives here: ``ON_GPU``, ``TORCH_DEVICE`` (where PyTorch
+computes when JAX's default device is used), ``to_numpy`` / ``to_torch`` for
+references, and ``cuda_only`` for tests that need a GPU.
+"""
 
 from __future__ import annotations
 
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("T2J_AD_TORCH_THREADS", "1")
+# Also for the fresh interpreters some tests start: NOTE [full float32 matmuls
+# in tests]; and JAX must not take 75% of the GPU up front in every process
+# (PyTorch allocates on the same GPU, and subprocesses start their own JAX).
+os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -15,6 +27,46 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.manual_seed(0)
+
+# NOTE [full float32 matmuls in tests]
+# On a GPU, XLA computes float32 matmuls and convolutions in TF32 by default
+# (10 mantissa bits) while PyTorch's matmuls do not: a jaxify'd matmul and its
+# pure-JAX reference would differ by ~1e-3. Both sides are pinned to full
+# float32 here, so the float32 tolerances below hold on every platform.
+jax.config.update("jax_default_matmul_precision", "highest")
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+torch.set_float32_matmul_precision("highest")
+
+ON_GPU = jax.default_backend() == "gpu"
+if ON_GPU and not torch.cuda.is_available():
+    pytest.exit(
+        f"JAX's default backend is gpu ({jax.devices()[0]}), but this PyTorch ({torch.__version__}) has no CUDA: "
+        "install a CUDA build of torch, or run the suite on CPU with JAX_PLATFORMS=cpu.",
+        returncode=4,
+    )
+# The device PyTorch computes on inside a call on JAX's default device: a
+# torch reference built here meets the same tensors a jaxify'd function sees.
+TORCH_DEVICE = torch.device("cuda", jax.devices()[0].local_hardware_id) if ON_GPU else torch.device("cpu")
+
+cuda_only = pytest.mark.skipif(
+    not ON_GPU,
+    reason=f"needs a CUDA GPU as JAX's default device (JAX's default backend is {jax.default_backend()}) "
+    "and a CUDA build of torch",
+)
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """A NumPy copy of a torch tensor on any device, or of a JAX array."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def to_torch(x: Any) -> torch.Tensor:
+    """A torch copy of a JAX or NumPy array, on ``TORCH_DEVICE``."""
+    return torch.as_tensor(np.array(x), device=TORCH_DEVICE)
+
 
 # Tolerances by dtype name: (rtol, atol).
 TOLERANCES = {

@@ -80,7 +80,7 @@ def _t_tree(x, y):
         "a": torch.sin(x) * y,
         "nested": {"b": (x * torch.cos(y)).sum(), "pair": (x**3, torch.exp(y))},
         "only_y": y * 2.0,
-        "const": torch.ones(2),
+        "const": torch.ones(2, device=x.device),
     }
 
 
@@ -395,7 +395,7 @@ def test_pytree_outputs():
 
 def _t_independent(x, y):
     # Nothing depends on y; the first output depends on no input at all.
-    return torch.full((2,), 3.0), x * 2.0
+    return torch.full((2,), 3.0, device=x.device), x * 2.0
 
 
 def _j_independent(x, y):

@@ -9,17 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import assert_tree_allclose
+from conftest import TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
 
 import t2j_ad
 
 
 def torch_ref(fn, *args, **kwargs):
-    """Run ``fn`` on torch copies of the JAX inputs and return JAX arrays."""
-    targs = jax.tree_util.tree_map(lambda x: torch.from_numpy(np.array(x)), (args, kwargs))
+    """Run ``fn`` on torch copies of the JAX inputs (on ``TORCH_DEVICE``) and return JAX arrays."""
+    targs = jax.tree_util.tree_map(to_torch, (args, kwargs))
     with torch.no_grad():
         out = fn(*targs[0], **targs[1])
-    return jax.tree_util.tree_map(lambda t: jnp.asarray(t.numpy()), out, is_leaf=lambda x: isinstance(x, torch.Tensor))
+    return jax.tree_util.tree_map(lambda t: jnp.asarray(to_numpy(t)), out, is_leaf=lambda x: isinstance(x, torch.Tensor))
 
 
 def nested_fn(tree, scale, *, shift):
@@ -209,13 +209,14 @@ def test_ops_without_meta_kernels_infer_with_one_real_call():
 
     def uses_numpy(x):
         calls.append(x.device.type)
-        return torch.from_numpy(np.cumsum(x.numpy()))  # needs real data
+        return torch.from_numpy(np.cumsum(x.cpu().numpy())).to(x.device)  # needs real data
 
     f = t2j_ad.jaxify(uses_numpy, compile="eager")  # counts eager calls
     x = jnp.arange(5.0)
     assert_tree_allclose(jax.jit(f)(x), jnp.cumsum(x))
-    # one failed meta attempt, one inference call on zeros, one real call
-    assert calls == ["meta", "cpu", "cpu"]
+    # one failed meta attempt, one inference call on zeros (on the CPU), one
+    # real call (where JAX's array lives)
+    assert calls == ["meta", "cpu", TORCH_DEVICE.type]
 
 
 def test_forward_runs_under_no_grad_with_controlled_threads():
@@ -234,12 +235,12 @@ def test_forward_runs_under_no_grad_with_controlled_threads():
         t2j_ad.set_torch_threads(0)
 
 
-def test_tree_t2j_and_j2t_share_memory_on_cpu():
-    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+def test_tree_t2j_and_j2t_share_memory():
+    t = torch.arange(6, dtype=torch.float32, device=TORCH_DEVICE).reshape(2, 3)
     j = t2j_ad.tree_t2j({"w": t, "other": 3})
     assert j["other"] == 3
     assert j["w"].unsafe_buffer_pointer() == t.data_ptr()
-    np.testing.assert_array_equal(np.asarray(j["w"]), t.numpy())
+    np.testing.assert_array_equal(np.asarray(j["w"]), to_numpy(t))
     back = t2j_ad.tree_j2t([j["w"]])
     assert back[0].data_ptr() == t.data_ptr()
     assert torch.equal(back[0], t)

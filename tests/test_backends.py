@@ -8,13 +8,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 import torch
+from conftest import ON_GPU
 
 import t2j_ad
 from t2j_ad import backends
 from t2j_ad.backends import callback, ffi
 
 FFI_TARGET = "t2j_ad_torch_call"
-CALLBACK_TARGET = "xla_buffer_python_cpu_callback"
+# jax.experimental.buffer_callback's custom call target on this platform.
+CALLBACK_TARGET = "xla_buffer_python_gpu_callback" if ON_GPU else "xla_buffer_python_cpu_callback"
 
 
 def _lowered_text(x: jax.Array) -> str:

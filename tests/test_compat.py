@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import assert_tree_allclose
+from conftest import TORCH_DEVICE, assert_tree_allclose
 
 from t2j_ad import FallbackWarning
 from t2j_ad.compat import (
@@ -32,6 +32,12 @@ from t2j_ad.rules import fallbacks
 # The hessian of MSELoss takes the double-vjp path (PyTorch's forward-mode
 # formula for mse_loss_backward refuses), which says so with a FallbackWarning.
 pytestmark = pytest.mark.filterwarnings("ignore::t2j_ad.FallbackWarning")
+
+
+def randn(*shape, dtype=torch.float32):
+    """An example or input tensor where JAX computes (``TORCH_DEVICE``), as a
+    torch2jax user on a GPU makes them: ``tree_t2j`` keeps the device."""
+    return torch.randn(*shape, dtype=dtype, device=TORCH_DEVICE)
 
 
 def _cross_entropy(x, y):
@@ -56,7 +62,7 @@ def test_cross_entropy_integer_target_and_linear_model(use_x64):
     # target; with x64 off it reaches JAX as int32 and PyTorch as int64 again.
     with jax.enable_x64(use_x64):
         torch_fn = lambda x, y: torch.nn.CrossEntropyLoss()(x, y)  # noqa: E731
-        xt, yt = torch.randn(10, 5), torch.randint(0, 5, (10,))
+        xt, yt = randn(10, 5), torch.randint(0, 5, (10,), device=TORCH_DEVICE)
         jax_fn = jax.jit(torch2jax_with_vjp(torch_fn, xt, yt))
         x, y = tree_t2j((xt, yt))
         assert y.dtype == (jnp.int64 if use_x64 else jnp.int32)
@@ -67,7 +73,7 @@ def test_cross_entropy_integer_target_and_linear_model(use_x64):
         assert_tree_allclose(g, jax.grad(_cross_entropy)(x, y))
 
         lin_model = lambda z, W, b: z @ W + b  # noqa: E731
-        z, W, b = tree_t2j([torch.randn((10, 20)), torch.randn(20, 5), torch.randn(5)])
+        z, W, b = tree_t2j([randn((10, 20)), randn(20, 5), randn(5)])
         dW, db = jax.grad(lambda z, W, b: jax_fn(lin_model(z, W, b), y), argnums=(1, 2))(z, W, b)
         ref_dW, ref_db = jax.grad(lambda z, W, b: _cross_entropy(lin_model(z, W, b), y), argnums=(1, 2))(z, W, b)
         assert (dW.shape, db.shape) == ((20, 5), (5,))
@@ -75,20 +81,20 @@ def test_cross_entropy_integer_target_and_linear_model(use_x64):
 
 
 def test_multiple_outputs():
-    layer = torch.nn.Linear(2, 20)
+    layer = torch.nn.Linear(2, 20).to(TORCH_DEVICE)
 
     def torch_fn(a, b):
         return a + b, torch.norm(a), layer(a * b)
 
     shape = (10, 2)
-    a, b = torch.randn(shape), torch.randn(shape)
+    a, b = randn(shape), randn(shape)
     jax_fn = torch2jax(torch_fn, a, b)
     w, bias = tree_t2j((layer.weight, layer.bias))
 
     def ref(a, b):
         return a + b, jnp.linalg.norm(a), (a * b) @ w.T + bias
 
-    x, y = tree_t2j((torch.randn(shape), torch.randn(shape)))
+    x, y = tree_t2j((randn(shape), randn(shape)))
     assert_tree_allclose(jax_fn(x, y), ref(x, y))
     assert_tree_allclose(jax.jit(jax_fn)(x, y), ref(x, y))
 
@@ -100,17 +106,17 @@ def test_multiple_outputs_readme_verbatim():
         layer = torch.nn.Linear(2, 20).to(a)
         return a + b, torch.norm(a), layer(a * b)
 
-    a, b = torch.randn(10, 2), torch.randn(10, 2)
+    a, b = randn(10, 2), randn(10, 2)
     x, y, z = jax.jit(torch2jax(torch_fn, a, b))(*tree_t2j((a, b)))
     assert_tree_allclose((x, y), tree_t2j((a + b, torch.norm(a))))
     assert z.shape == (10, 20)
 
 
 def test_mse_loss_depth_2():
-    xt, yt = torch.randn(6), torch.randn(6)
+    xt, yt = randn(6), randn(6)
     jax_fn = torch2jax_with_vjp(lambda a, b: torch.nn.MSELoss()(a, b), xt, yt, depth=2)
     g_fn = jax.grad(jax_fn, argnums=(0, 1))
-    x, y = tree_t2j((torch.randn(6), torch.randn(6)))
+    x, y = tree_t2j((randn(6), randn(6)))
     ref = jax.grad(_mse, argnums=(0, 1))
     assert_tree_allclose(g_fn(x, y), ref(x, y))
     assert_tree_allclose(jax.jit(g_fn)(x, y), ref(x, y))
@@ -118,8 +124,8 @@ def test_mse_loss_depth_2():
 
 def test_mse_loss_beyond_depth():
     # What torch2jax cannot do: forward mode, jax.hessian, batched gradients.
-    jax_fn = torch2jax_with_vjp(lambda a, b: torch.nn.MSELoss()(a, b), torch.randn(6), torch.randn(6), depth=2)
-    x, y = tree_t2j((torch.randn(6), torch.randn(6)))
+    jax_fn = torch2jax_with_vjp(lambda a, b: torch.nn.MSELoss()(a, b), randn(6), randn(6), depth=2)
+    x, y = tree_t2j((randn(6), randn(6)))
     assert_tree_allclose(jax.hessian(jax_fn, argnums=(0, 1))(x, y), jax.hessian(_mse, argnums=(0, 1))(x, y))
     assert_tree_allclose(jax.jacfwd(jax.grad(jax_fn))(x, y), jax.hessian(_mse)(x, y))
     assert_tree_allclose(jax.jvp(jax_fn, (x, y), (y, x)), jax.jvp(_mse, (x, y), (y, x)))
@@ -130,7 +136,7 @@ def test_mse_loss_beyond_depth():
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
 def test_depth_is_accepted_and_ignored(depth):
-    jax_fn = torch2jax_with_vjp(lambda x: torch.sin(x).sum(), torch.randn(3), depth=depth)
+    jax_fn = torch2jax_with_vjp(lambda x: torch.sin(x).sum(), randn(3), depth=depth)
     x = jnp.array([0.1, 0.7, -1.3])
     third = lambda f: jax.grad(jax.grad(jax.grad(lambda s: f(s * x))))  # noqa: E731
     assert_tree_allclose(third(jax_fn)(0.9), third(lambda v: jnp.sin(v).sum())(0.9))
@@ -141,7 +147,7 @@ def test_single_output_ways_of_wrapping():
         return a + b
 
     shape = (10, 2)
-    a, b = torch.randn(shape), torch.randn(shape)
+    a, b = randn(shape), randn(shape)
     wrapped = [
         torch2jax(torch_fn, a, b),
         torch2jax(torch_fn, a, b, output_shapes=Size(a.shape)),
@@ -181,7 +187,7 @@ def _counting(fn):
 )
 def test_output_shapes_given_means_no_inference_run(wrap, output_shapes):
     fn, calls = _counting(lambda x: 2 * x)
-    jax_fn = wrap(fn, torch.randn(4, 3), output_shapes=output_shapes)
+    jax_fn = wrap(fn, randn(4, 3), output_shapes=output_shapes)
     assert calls == []
     x = jnp.ones((4, 3))
     out = jax_fn(x)
@@ -193,7 +199,7 @@ def test_output_shapes_given_means_no_inference_run(wrap, output_shapes):
 @pytest.mark.parametrize("wrap", [torch2jax, torch2jax_with_vjp])
 def test_without_output_shapes_runs_once_on_meta(wrap):
     fn, calls = _counting(lambda x: 2 * x)
-    jax_fn = wrap(fn, torch.randn(4, 3))
+    jax_fn = wrap(fn, randn(4, 3))
     assert calls == ["meta"]
     assert_tree_allclose(jax_fn(jnp.ones((4, 3))), 2 * jnp.ones((4, 3)))
     assert calls.count("meta") == 1
@@ -203,7 +209,7 @@ def test_output_shapes_pytrees():
     def torch_fn(x, y):
         return {"sum": x + y, "parts": (x.sum(), y.argmax())}
 
-    xt, yt = torch.randn(5), torch.randn(5)
+    xt, yt = randn(5), randn(5)
     output_shapes = {
         "sum": Size([5]),
         "parts": [jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)],
@@ -218,7 +224,7 @@ def test_output_shapes_pytrees():
 
 
 def test_bare_shape_takes_the_examples_float_dtype(x64):
-    jax_fn = torch2jax(lambda x, i: x[i], torch.randn(5, dtype=torch.float64), torch.tensor(2), output_shapes=Size([]))
+    jax_fn = torch2jax(lambda x, i: x[i], randn(5, dtype=torch.float64), torch.tensor(2), output_shapes=Size([]))
     x = jnp.arange(5.0, dtype=jnp.float64)
     out = jax_fn(x, jnp.asarray(2, jnp.int64))
     assert out.dtype == jnp.float64 and float(out) == 2.0
@@ -228,7 +234,7 @@ def test_bare_shape_takes_the_examples_float_dtype(x64):
     "examples, match",
     [
         ((torch.tensor([1, 2]),), "no floating dtype"),
-        ((torch.randn(2), torch.randn(2, dtype=torch.float16)), "float16, float32"),
+        ((randn(2), randn(2, dtype=torch.float16)), "float16, float32"),
     ],
 )
 def test_bare_shape_without_a_unique_float_dtype_is_refused(examples, match):
@@ -238,7 +244,7 @@ def test_bare_shape_without_a_unique_float_dtype_is_refused(examples, match):
 
 def test_output_shapes_bad_leaf_is_named():
     with pytest.raises(TypeError, match=r"output_shapes\[1\] is a str"):
-        torch2jax(lambda x: (x, x), torch.randn(2), output_shapes=(Size([2]), "2"))
+        torch2jax(lambda x: (x, x), randn(2), output_shapes=(Size([2]), "2"))
 
 
 # ------------------------------------------------------ example arguments
@@ -248,7 +254,7 @@ def test_example_kwargs():
     def torch_fn(x, y=None):
         return (x + 1 - y.reshape(x.shape)) / torch.norm(y)
 
-    xt, yt = torch.randn(10, 2), torch.randn(20)
+    xt, yt = randn(10, 2), randn(20)
     x, y = tree_t2j((xt, yt))
     expected = (x + 1 - y.reshape(x.shape)) / jnp.linalg.norm(y)
     for output_shapes in (None, Size([10, 2])):
@@ -261,11 +267,11 @@ def test_example_kwargs():
 
 def test_example_argument_that_is_not_an_array_is_named():
     with pytest.raises(TypeError, match=r"example argument \[1\] is a float"):
-        torch2jax(lambda x, s: x * s, torch.randn(2), 2.0)
+        torch2jax(lambda x, s: x * s, randn(2), 2.0)
 
 
 def test_unexpected_keyword_arguments():
-    jax_fn = torch2jax(lambda x, y=None: x, torch.randn(2))
+    jax_fn = torch2jax(lambda x, y=None: x, randn(2))
     with pytest.raises(RuntimeError, match="Keyword arguments not expected"):
         jax_fn(jnp.ones(2), y=jnp.ones(2))
     with pytest.raises(TypeError, match="Keyword arguments not expected"):
@@ -279,7 +285,7 @@ def test_unexpected_keyword_arguments():
     ids=["fewer", "more", "nested"],
 )
 def test_different_tree_structure_is_refused(wrap, args):
-    jax_fn = wrap(lambda x, y: x + y, torch.randn(2), torch.randn(2))
+    jax_fn = wrap(lambda x, y: x + y, randn(2), randn(2))
     with pytest.raises(Torch2JaxInputError, match="expected input structure") as info:
         jax_fn(*args)
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, TypeError)
@@ -291,7 +297,7 @@ def test_different_tree_structure_is_refused(wrap, args):
 @pytest.mark.parametrize("declared", [False, True])
 def test_other_shapes_rewrap_with_a_warning(declared):
     output_shapes = jax.ShapeDtypeStruct((4, 2), jnp.float32) if declared else None
-    jax_fn = torch2jax(lambda x, y: x @ y, torch.randn(4, 3), torch.randn(3, 2), output_shapes=output_shapes)
+    jax_fn = torch2jax(lambda x, y: x @ y, randn(4, 3), randn(3, 2), output_shapes=output_shapes)
     x, y = jnp.ones((8, 3)), jnp.arange(15.0).reshape(3, 5)
     with pytest.warns(UserWarning, match="input shapes changed") as record:
         out = jax_fn(x, y)
@@ -304,12 +310,12 @@ def test_other_shapes_rewrap_with_a_warning(declared):
 
 
 def test_other_shapes_rewrap_with_gradients():
-    jax_fn = torch2jax_with_vjp(lambda x, y: x @ y, torch.randn(10, 5), torch.randn(5, 3))
+    jax_fn = torch2jax_with_vjp(lambda x, y: x @ y, randn(10, 5), randn(5, 3))
     ref = lambda x, y: jnp.sum(x @ y)  # noqa: E731
     g_fn = jax.jit(jax.grad(lambda x, y: jnp.sum(jax_fn(x, y)), argnums=(0, 1)))
-    x, y = tree_t2j((torch.randn(10, 5), torch.randn(5, 3)))
+    x, y = tree_t2j((randn(10, 5), randn(5, 3)))
     assert_tree_allclose(g_fn(x, y), jax.grad(ref, argnums=(0, 1))(x, y))
-    x2, y2 = tree_t2j((torch.randn(20, 5), torch.randn(5, 7)))
+    x2, y2 = tree_t2j((randn(20, 5), randn(5, 7)))
     with pytest.warns(UserWarning, match="input shapes changed"):
         g2 = g_fn(x2, y2)
     assert_tree_allclose(g2, jax.grad(ref, argnums=(0, 1))(x2, y2))
@@ -355,7 +361,7 @@ def _scaled_ref(x, y):
     ids=["argnum", "argnums", "mask"],
 )
 def test_nondiff_arguments_get_zero_gradients(options, use_zeros):
-    xt, yt = torch.randn(4), torch.randn(4)
+    xt, yt = randn(4), randn(4)
     jax_fn = torch2jax_with_vjp(_scaled, xt, yt, use_zeros=use_zeros, **options)
     x, y = tree_t2j((xt, yt))
     ref = lambda x, y: _scaled_ref(x, jax.lax.stop_gradient(y))  # noqa: E731
@@ -370,15 +376,15 @@ def test_nondiff_mask_on_a_pytree_argument():
     def torch_fn(params, x):
         return torch.sum(params["w"] * x + params["b"])
 
-    params = {"w": torch.randn(3), "b": torch.randn(3)}
-    jax_fn = torch2jax_with_vjp(torch_fn, params, torch.randn(3), nondiff_mask=[{"w": False, "b": True}, True])
-    p, x = tree_t2j((params, torch.randn(3)))
+    params = {"w": randn(3), "b": randn(3)}
+    jax_fn = torch2jax_with_vjp(torch_fn, params, randn(3), nondiff_mask=[{"w": False, "b": True}, True])
+    p, x = tree_t2j((params, randn(3)))
     grads = jax.grad(jax_fn, argnums=(0, 1))(p, x)
     assert_tree_allclose(grads, ({"w": x, "b": jnp.zeros(3)}, jnp.zeros(3)))
 
 
 def test_nondiff_options_that_do_not_fit_are_refused():
-    xt, yt = torch.randn(4), torch.randn(4)
+    xt, yt = randn(4), randn(4)
     with pytest.raises(ValueError, match="nondiff_mask has 3 leaves"):
         torch2jax_with_vjp(_scaled, xt, yt, nondiff_mask=[False, True, True])
     with pytest.raises(ValueError, match=r"nondiff_argnums \[2\] out of range"):
@@ -403,7 +409,7 @@ def _spy_on_autograd(monkeypatch):
 @pytest.mark.parametrize("use_torch_vjp", [True, False])
 def test_use_torch_vjp_false_takes_the_autograd_grad_path(monkeypatch, use_torch_vjp):
     calls = _spy_on_autograd(monkeypatch)
-    xt, yt = torch.randn(4), torch.randn(4)
+    xt, yt = randn(4), randn(4)
     jax_fn = torch2jax_with_vjp(_scaled, xt, yt, use_torch_vjp=use_torch_vjp)
     x, y = tree_t2j((xt, yt))
     assert_tree_allclose(jax.grad(jax_fn, argnums=(0, 1))(x, y), jax.grad(_scaled_ref, argnums=(0, 1))(x, y))
@@ -434,12 +440,12 @@ def test_old_style_autograd_function_with_use_torch_vjp_false():
     x = jnp.array([0.5, -1.0, 2.0])
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        jax_fn = torch2jax_with_vjp(lambda x: _OldStyleCube.apply(x).sum(), torch.randn(3), use_torch_vjp=False)
+        jax_fn = torch2jax_with_vjp(lambda x: _OldStyleCube.apply(x).sum(), randn(3), use_torch_vjp=False)
         assert_tree_allclose(jax.grad(jax_fn)(x), jax.grad(cube_ref)(x))
     assert not [w for w in record if issubclass(w.category, FallbackWarning)]
     # The default tries torch.func.vjp first, and says it fell back.
     with pytest.warns(FallbackWarning, match="reverse mode"):
-        jax_fn = torch2jax_with_vjp(lambda x: _OldStyleCube.apply(x).sum(), torch.randn(3))
+        jax_fn = torch2jax_with_vjp(lambda x: _OldStyleCube.apply(x).sum(), randn(3))
         assert_tree_allclose(jax.grad(jax_fn)(x), jax.grad(cube_ref)(x))
     assert_tree_allclose(jax.hessian(jax_fn)(x), jax.hessian(cube_ref)(x))
 
@@ -451,13 +457,13 @@ def test_old_style_autograd_function_with_use_torch_vjp_false():
 def test_output_sharding_spec_is_not_supported_yet(wrap):
     spec = jax.sharding.PartitionSpec()
     with pytest.raises(NotImplementedError, match="not supported yet") as info:
-        wrap(lambda x: x, torch.randn(2), output_sharding_spec=spec)
+        wrap(lambda x: x, randn(2), output_sharding_spec=spec)
     assert isinstance(info.value, RuntimeError)  # what torch2jax raises
 
 
 @pytest.mark.parametrize("vmap_method", ["sequential", "expand_dims", "broadcast_all"])
 def test_vmap_methods(vmap_method):
-    jax_fn = torch2jax_with_vjp(_scaled, torch.randn(4), torch.randn(4), vmap_method=vmap_method)
+    jax_fn = torch2jax_with_vjp(_scaled, randn(4), randn(4), vmap_method=vmap_method)
     xs, y = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), jnp.arange(4.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # batched calls keep the example's shapes
@@ -497,7 +503,7 @@ def test_dtype_tables():
 
 @pytest.mark.parametrize("via", ["dlpack", "cpu"])
 def test_tree_conversions(via):
-    tree = {"a": torch.randn(3, 2), "b": [torch.arange(4, dtype=torch.int32)], "c": "kept"}
+    tree = {"a": randn(3, 2), "b": [torch.arange(4, dtype=torch.int32, device=TORCH_DEVICE)], "c": "kept"}
     jax_tree = tree_t2j(tree, via=via)
     assert isinstance(jax_tree["a"], jax.Array) and jax_tree["c"] == "kept"
     back = tree_j2t(jax_tree, via=via)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import run_in_threads
+from conftest import TORCH_DEVICE, run_in_threads
 
 import t2j_ad
 
@@ -74,7 +74,7 @@ def test_threads_differentiating_one_module(compile):
     # threads in one module at once would each run on the other's parameters
     # (found by the 4-device sharded-jit test, whose devices call in parallel).
     torch.manual_seed(0)
-    apply, params = t2j_ad.jaxify_module(_Mlp(), compile=compile)
+    apply, params = t2j_ad.jaxify_module(_Mlp().to(TORCH_DEVICE), compile=compile)
     g = jax.jit(jax.grad(apply))
     x = jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)
     inputs = [jax.tree_util.tree_map(lambda p, k=k: p * (k + 1) / THREADS, params) for k in range(THREADS)]

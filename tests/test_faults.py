@@ -104,7 +104,7 @@ def _linalg_fault() -> Fault:
 
 def _allocates(x: torch.Tensor) -> torch.Tensor:
     n = 1 << 60 if triggered(x) else 4
-    return x * 2 + torch.zeros(n, dtype=x.dtype)[:1]
+    return x * 2 + torch.zeros(n, dtype=x.dtype, device=x.device)[:1]
 
 
 def _bad_data_fault(name: str, fn: Callable[..., Any], message: str, reference: Callable[..., Any]) -> Fault:
@@ -117,7 +117,7 @@ def _allocation_fault() -> Fault:
     return _bad_data_fault(
         "forward allocation failure (PyTorch out of memory)",
         _allocates,
-        r"not enough memory|tried to allocate|Invalid buffer size",
+        r"not enough memory|tried to allocate|Invalid buffer size|CUDA out of memory",
         lambda x: x * 2,
     )
 

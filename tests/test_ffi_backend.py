@@ -8,6 +8,7 @@ forced, and checks the registry's lifetime rules.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import warnings
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import ON_GPU, TORCH_DEVICE, cuda_only
 
 ffi_ext = pytest.importorskip("t2j_ad._ffi_ext", reason="C++ extension not built")
 
@@ -49,6 +51,12 @@ def call(target, key, out_shapes, *args):
 
 def tensors(caps):
     return [torch.from_dlpack(c) for c in caps]
+
+
+def on_stream(stream):
+    """PyTorch's work in a test dispatcher goes on XLA's stream, as the
+    runtime's does: the CUDA handler passes it; the CPU handler passes 0."""
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream)) if stream else contextlib.nullcontext()
 
 
 # -- the handler on its own ----------------------------------------------
@@ -92,8 +100,9 @@ def test_every_dtype_and_shape_zero_copy(dispatcher, jdtype, tdtype, op, ref, sh
     def dispatch(key, inputs, outputs, stream):
         (x,), (out, marker) = tensors(inputs), tensors(outputs)
         seen.update(key=key, stream=stream, dtype=x.dtype, shape=tuple(x.shape), out_shape=tuple(out.shape), ptr=x.data_ptr())
-        out.copy_(op(x))
-        marker.fill_(x.dim())
+        with on_stream(stream):
+            out.copy_(op(x))
+            marker.fill_(x.dim())
 
     dispatcher(dispatch)
     with jax.enable_x64(True):
@@ -103,7 +112,7 @@ def test_every_dtype_and_shape_zero_copy(dispatcher, jdtype, tdtype, op, ref, sh
         y, marker = jax.jit(lambda x: call(TEST_TARGET, 7, outs, x))(x)
         assert y.dtype == x.dtype and y.shape == shape and int(marker[0]) == len(shape)
         np.testing.assert_array_equal(np.asarray(y), np.asarray(ref(x)))
-    assert seen["key"] == 7 and seen["stream"] == 0
+    assert seen["key"] == 7 and bool(seen["stream"]) == ON_GPU  # XLA's stream on a GPU; none on the CPU
     assert seen["dtype"] == tdtype
     assert seen["shape"] == shape and seen["out_shape"] == shape
     if x.size:  # zero-copy: PyTorch saw the very buffer JAX passed in
@@ -115,8 +124,9 @@ def test_many_inputs_and_outputs(dispatcher):
     def dispatch(key, inputs, outputs, stream):
         a, b, c = tensors(inputs)
         s, p = tensors(outputs)
-        s.copy_(a.sum() + b.sum() + c.to(torch.float32).sum())
-        p.copy_(torch.outer(a, b))
+        with on_stream(stream):
+            s.copy_(a.sum() + b.sum() + c.to(torch.float32).sum())
+            p.copy_(torch.outer(a, b))
 
     dispatcher(dispatch)
     a, b, c = jnp.arange(3.0), jnp.ones(4), jnp.arange(5, dtype=jnp.int32)
@@ -129,7 +139,8 @@ def test_many_inputs_and_outputs(dispatcher):
 def test_no_inputs(dispatcher):
     def dispatch(key, inputs, outputs, stream):
         assert inputs == []
-        tensors(outputs)[0].fill_(key)
+        with on_stream(stream):
+            tensors(outputs)[0].fill_(key)
 
     dispatcher(dispatch)
     y = jax.jit(lambda: call(TEST_TARGET, 42, jax.ShapeDtypeStruct((2,), jnp.int32)))()
@@ -162,7 +173,8 @@ def test_exception_carries_message_and_traceback(dispatcher):
     def dispatch(key, inputs, outputs, stream):
         if key == 13:
             failing_torch_function(*tensors(inputs))
-        tensors(outputs)[0].copy_(tensors(inputs)[0] + 1)
+        with on_stream(stream):
+            tensors(outputs)[0].copy_(tensors(inputs)[0] + 1)
 
     dispatcher(dispatch)
     x = jnp.arange(3.0)
@@ -195,19 +207,21 @@ def test_runner_table_is_called_directly_with_wrapped_buffers(dispatcher):
     calls = []
 
     def runner(inputs, outputs, stream):
-        calls.append(("runner", type(inputs[0]), stream))
-        outputs[0].copy_(inputs[0] * 3)
+        calls.append(("runner", type(inputs[0]), bool(stream)))
+        with on_stream(stream):
+            outputs[0].copy_(inputs[0] * 3)
 
     def fallback(key, inputs, outputs, stream):
         calls.append(("dispatcher", key))
-        outputs[0].copy_(inputs[0] - 1)
+        with on_stream(stream):
+            outputs[0].copy_(inputs[0] - 1)
 
     ffi_ext.set_dispatcher(fallback, runners={5: runner}, wrap=torch.from_dlpack)
     x = jnp.arange(4.0)
     out = jax.ShapeDtypeStruct((4,), jnp.float32)
     np.testing.assert_array_equal(jax.jit(lambda x: call(TEST_TARGET, 5, out, x))(x), x * 3)
     np.testing.assert_array_equal(jax.jit(lambda x: call(TEST_TARGET, 6, out, x))(x), x - 1)
-    assert calls == [("runner", torch.Tensor, 0), ("dispatcher", 6)]
+    assert calls == [("runner", torch.Tensor, ON_GPU), ("dispatcher", 6)]
     assert ffi_ext.live_tensors() == 0
 
 
@@ -276,6 +290,25 @@ def test_jaxify_under_jit_grad_vmap(ffi_backend):
     np.testing.assert_allclose(
         jax.hessian(lambda x: f(x).sum())(x[:3]), jnp.diag(-jnp.sin(x[:3]) * 2), rtol=1e-5, atol=1e-6
     )
+
+
+@cuda_only
+def test_on_the_gpu_pytorch_runs_on_xlas_stream_without_copies(ffi_backend):
+    seen = {}
+
+    def probe(x):
+        if x.device.type != "meta":
+            seen.update(device=x.device, ptr=x.data_ptr(), stream=torch.cuda.current_stream(x.device).cuda_stream)
+        return torch.sin(x) * 2
+
+    f = jax.jit(t2j_ad.jaxify(probe, compile="eager"))
+    x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+    f(x)  # the first call hands PyTorch a copy, until it has seen probe leave its input alone
+    np.testing.assert_allclose(f(x), jnp.sin(x) * 2, rtol=1e-6)
+    assert seen["device"] == TORCH_DEVICE
+    assert seen["ptr"] == x.unsafe_buffer_pointer()  # XLA's own buffer
+    # XLA's stream (torch.cuda.ExternalStream), not PyTorch's default one.
+    assert seen["stream"] not in (0, torch.cuda.default_stream(TORCH_DEVICE).cuda_stream)
 
 
 def test_jaxify_lowers_to_the_custom_call_with_stable_keys(ffi_backend):
@@ -395,13 +428,14 @@ def test_memory_flat_over_many_fresh_wrappers(ffi_backend):
 # -- one build for CPU and GPU (NOTE [one build for CPU and GPU] in csrc/) ----
 
 
-def _lowered_for_cuda(f, x) -> str:
-    """StableHLO of ``jax.jit(f)(x)`` lowered for a CUDA device, on this CPU machine."""
-    return jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+def _lowered_for(platform, f, x) -> str:
+    """StableHLO of ``jax.jit(f)(x)`` lowered for ``platform`` (``"cpu"`` or
+    ``"cuda"``), whichever devices this machine has."""
+    return jax.jit(f).trace(x).lower(lowering_platforms=(platform,)).as_text()
 
 
 def test_every_build_holds_the_cuda_handler():
-    # Built without a CUDA toolkit on this machine, and still there.
+    # Built with or without a CUDA toolkit, and there either way.
     assert set(ffi_ext.handlers()) == {"cpu", "CUDA"}
     assert ffi_ext.has_cuda
     assert ffi.platforms() == {"cpu", "cuda"}
@@ -411,7 +445,7 @@ def test_a_cuda_lowering_uses_the_custom_call(ffi_backend):
     f = t2j_ad.jaxify(_sin2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "no handler, using the callback backend"
-        text = _lowered_for_cuda(f, jnp.ones(4))
+        text = _lowered_for("cuda", f, jnp.ones(4))
     assert f"custom_call @{ffi.TARGET}" in text
 
 
@@ -429,9 +463,10 @@ def test_a_refused_cuda_registration_leaves_cpu_on_the_ffi(ffi_backend, monkeypa
     assert ffi.platforms() == {"cpu"}
     f = t2j_ad.jaxify(_sin2)
     x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
-    np.testing.assert_allclose(jax.jit(f)(x), jnp.sin(x) * 2, rtol=1e-6)
-    assert ffi.TARGET in jax.jit(f).lower(x).as_text()
+    assert ffi.TARGET in _lowered_for("cpu", f, x)
     # CUDA, now without a handler, takes the callback backend, saying so once.
     with pytest.warns(RuntimeWarning, match=r"no handler for platform\(s\) \['cuda'\]"):
-        text = _lowered_for_cuda(f, x)
+        text = _lowered_for("cuda", f, x)
     assert ffi.TARGET not in text
+    # And it runs: through the FFI on a CPU, through the callback backend on a GPU.
+    np.testing.assert_allclose(jax.jit(f)(x), jnp.sin(x) * 2, rtol=1e-6)

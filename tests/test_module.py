@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import assert_tree_allclose
+from conftest import TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
 
 import t2j_ad
 
@@ -35,10 +35,11 @@ class Scaled(nn.Module):
 
 
 def _seeded(module: nn.Module) -> nn.Module:
+    """Seeded parameters, on the device JAX computes on (``TORCH_DEVICE``)."""
     torch.manual_seed(0)
     for p in module.parameters():
         nn.init.normal_(p, std=0.5)
-    return module
+    return module.to(TORCH_DEVICE)
 
 
 def _batchnorm_with_stats() -> Block:
@@ -51,8 +52,8 @@ def _batchnorm_with_stats() -> Block:
 
 def _reference(module, *args, **kwargs):
     with torch.no_grad():
-        out = module(*[torch.from_numpy(np.array(a)) for a in args], **kwargs)
-    return jnp.asarray(out.numpy())
+        out = module(*[to_torch(a) for a in args], **kwargs)
+    return jnp.asarray(to_numpy(out))
 
 
 @pytest.mark.parametrize("use_jit", [False, True])
@@ -60,7 +61,7 @@ def test_sequential(use_jit):
     model = _seeded(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
     apply, params = t2j_ad.jaxify_module(model)
     assert set(params) == {"0.weight", "0.bias", "2.weight", "2.bias"}
-    assert_tree_allclose(params["0.weight"], jnp.asarray(model[0].weight.detach().numpy()))
+    assert_tree_allclose(params["0.weight"], jnp.asarray(to_numpy(model[0].weight)))
     x = jnp.asarray(np.random.default_rng(1).normal(size=(5, 4)), jnp.float32)
     out = (jax.jit(apply) if use_jit else apply)(params, x)
     assert_tree_allclose(out, _reference(model, x))
@@ -73,7 +74,7 @@ def test_submodules_and_batchnorm_buffers_in_eval_mode():
     x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 2, 5)), jnp.float32)
     assert_tree_allclose(jax.jit(apply)(params, x), _reference(block, x), rtol=1e-5, atol=1e-5)
     # Running statistics are used, not updated.
-    assert torch.allclose(block.norm.running_mean, torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    assert torch.allclose(block.norm.running_mean.cpu(), torch.tensor([0.1, -0.2, 0.3, 0.0]))
 
 
 def test_forward_with_keyword_arguments():
@@ -82,7 +83,7 @@ def test_forward_with_keyword_arguments():
     x = jnp.ones((4, 3), jnp.float32)
     bias = jnp.array([1.0, -1.0], jnp.float32)
     out = jax.jit(apply)(params, x, scale=2.0, bias=bias)
-    expected = _reference(model, x, scale=2.0, bias=torch.tensor([1.0, -1.0]))
+    expected = _reference(model, x, scale=2.0, bias=to_torch(bias))
     assert_tree_allclose(out, expected)
 
 
@@ -97,15 +98,15 @@ def test_gradient_with_respect_to_params_matches_torch_func():
     buffers = dict(block.named_buffers())
 
     def torch_loss(p):
-        return (torch.func.functional_call(block, (p, buffers), (torch.from_numpy(np.array(x)),)) ** 2).sum()
+        return (torch.func.functional_call(block, (p, buffers), (to_torch(x),)) ** 2).sum()
 
     expected = torch.func.grad(torch_loss)(torch_params)
-    expected = {k: jnp.asarray(v.numpy()) for k, v in expected.items()}
+    expected = {k: jnp.asarray(to_numpy(v)) for k, v in expected.items()}
     assert_tree_allclose(grads, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_params_are_copies_not_views_of_the_module():
-    model = nn.Linear(2, 2)
+    model = nn.Linear(2, 2).to(TORCH_DEVICE)
     _, params = t2j_ad.jaxify_module(model)
     before = np.asarray(params["weight"]).copy()
     with torch.no_grad():

@@ -11,9 +11,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import nbformat
 import pytest
 
+nbformat = pytest.importorskip("nbformat", reason="nbformat is needed to read the notebooks")
 pytest.importorskip("nbclient", reason="nbclient is needed to execute the notebooks")
 pytest.importorskip("ipykernel", reason="ipykernel is needed to execute the notebooks")
 pytest.importorskip("matplotlib", reason="the notebooks plot with matplotlib")

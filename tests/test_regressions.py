@@ -14,7 +14,7 @@ import t2j_ad
 
 
 def _t_solve(a, b):
-    return torch.linalg.solve(a + 3 * torch.eye(a.shape[-1], dtype=a.dtype), b)
+    return torch.linalg.solve(a + 3 * torch.eye(a.shape[-1], dtype=a.dtype, device=a.device), b)
 
 
 def _j_solve(a, b):

@@ -8,7 +8,9 @@ scripts/run_tests.sh does):
 
 Without it (or collected together with the rest of the suite) they skip,
 naming that command. Setting the flag here instead would silently give every
-other test in the session 4 devices too.
+other test in the session 4 devices too. The devices are simulated CPU
+devices, so where JAX's default backend is not the CPU (a GPU machine) these
+tests skip too, saying so; they run there with ``JAX_PLATFORMS=cpu`` added.
 """
 
 from __future__ import annotations
@@ -31,11 +33,19 @@ FLAG = "--xla_force_host_platform_device_count=4"
 
 def pytest_collection_modifyitems(config, items):
     mine = [item for item in items if "multidevice" in str(item.path)]
-    if not mine or jax.device_count() >= 4:
+    backend = jax.default_backend()
+    if not mine or (backend == "cpu" and jax.device_count() >= 4):
         return
-    skip = pytest.mark.skip(
-        reason=f"needs 4 CPU devices, JAX has {jax.device_count()}: run "
-        f"`XLA_FLAGS={FLAG} pytest tests/multidevice` on its own (scripts/run_tests.sh does)"
-    )
+    if backend != "cpu":
+        reason = (
+            f"needs 4 simulated CPU devices ({FLAG}), but JAX's default backend is {backend}: run "
+            f"`JAX_PLATFORMS=cpu XLA_FLAGS={FLAG} pytest tests/multidevice` on its own"
+        )
+    else:
+        reason = (
+            f"needs 4 CPU devices, JAX has {jax.device_count()}: run "
+            f"`XLA_FLAGS={FLAG} pytest tests/multidevice` on its own (scripts/run_tests.sh does)"
+        )
+    skip = pytest.mark.skip(reason=reason)
     for item in mine:
         item.add_marker(skip)

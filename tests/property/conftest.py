@@ -33,6 +33,11 @@ _shared = _load_shared_conftest()
 assert_tree_allclose = _shared.assert_tree_allclose
 run_in_threads = _shared.run_in_threads
 TOLERANCES = _shared.TOLERANCES
+ON_GPU = _shared.ON_GPU
+TORCH_DEVICE = _shared.TORCH_DEVICE
+cuda_only = _shared.cuda_only
+to_numpy = _shared.to_numpy
+to_torch = _shared.to_torch
 
 _COMMON = dict(
     deadline=None,  # the first call of each shape compiles; timing is not the point

@@ -217,7 +217,7 @@ def _j_norms(x):
 # The ramp keeps every row's variance away from zero (x is in [-0.5, 0.5]),
 # where the derivatives of layer_norm grow like eps**(-order/2).
 def _t_layer_norm(x):
-    x = x + 1.5 * torch.arange(x.shape[-1], dtype=x.dtype)
+    x = x + 1.5 * torch.arange(x.shape[-1], dtype=x.dtype, device=x.device)
     return torch.nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5)
 
 
@@ -233,7 +233,7 @@ def _j_layer_norm(x):
 
 def _t_solve(a, b):
     n = a.shape[-1]
-    return torch.linalg.solve(a + 3 * torch.eye(n, dtype=a.dtype), b)
+    return torch.linalg.solve(a + 3 * torch.eye(n, dtype=a.dtype, device=a.device), b)
 
 
 def _j_solve(a, b):
@@ -243,7 +243,7 @@ def _j_solve(a, b):
 
 def _t_cholesky(a):
     n = a.shape[-1]
-    return torch.linalg.cholesky(a @ a.mT + n * torch.eye(n, dtype=a.dtype))
+    return torch.linalg.cholesky(a @ a.mT + n * torch.eye(n, dtype=a.dtype, device=a.device))
 
 
 def _j_cholesky(a):
@@ -256,8 +256,8 @@ def _j_cholesky(a):
 # det(a + 2 I) at a = 0, in torch 2.13; plain autograd is fine there).
 def _t_det(a):
     n = a.shape[-1]
-    offset = torch.arange(n * n, dtype=a.dtype).reshape(n, n) / (4 * n * n)
-    return torch.linalg.det(a + 2 * torch.eye(n, dtype=a.dtype) + offset)
+    offset = torch.arange(n * n, dtype=a.dtype, device=a.device).reshape(n, n) / (4 * n * n)
+    return torch.linalg.det(a + 2 * torch.eye(n, dtype=a.dtype, device=a.device) + offset)
 
 
 def _j_det(a):

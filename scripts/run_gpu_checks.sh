@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# The test suite and the benchmarks on a CUDA machine, without network.
+#
+#   bash scripts/run_gpu_checks.sh [LOG_DIR]      # LOG_DIR: $1, else $OUT, else ./gpu-logs
+#
+# For a machine whose python3 (or $PYTHON) already has jax with CUDA, a CUDA
+# build of torch, and pybind11, scikit-build-core, cmake, ninja, pytest and
+# hypothesis (the docs and notebook tests skip, naming what they need, unless
+# requirements.txt's mkdocs/nbclient/... are there too). Steps:
+#   1. preflight: nvidia-smi -L, the jax and torch versions, jax.devices();
+#      stops here unless JAX's default backend is gpu and torch sees CUDA;
+#   2. install: t2j_ad itself, editable, compiled against this jaxlib
+#      (pip install --no-build-isolation --no-deps --no-index -e .); stops
+#      here if that fails;
+#   3. the whole suite on the GPU as scripts/run_tests.sh runs it on the CPU:
+#      unit and property tests; the core transform tests and the property
+#      suite with compile="graph" (CUDA graphs); the core tests on the
+#      callback backend (scripts/test_sets.sh names the files). tests/multidevice
+#      is left out: its 4 devices are simulated CPU devices;
+#   4. the benchmarks that make sense on a GPU (all but bench_sharded.py,
+#      which simulates 4 CPU devices), at modest sizes.
+# About 25 minutes in all. Each step's output goes to the terminal and to
+# LOG_DIR/<step>.log; a failing step does not stop the later ones (except 1
+# and 2); LOG_DIR/summary.txt lists every step's result, and the exit status is
+# nonzero if any step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/test_sets.sh
+
+PY="${PYTHON:-python3}"
+LOG_DIR="${1:-${OUT:-./gpu-logs}}"
+mkdir -p "$LOG_DIR"
+LOG_DIR="$(cd "$LOG_DIR" && pwd)"
+# cmake and ninja installed with pip live next to the interpreter.
+PATH="$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
+export PATH
+# JAX must not take 75% of the GPU up front: PyTorch allocates on it too.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# Full float32 matmuls in JAX, as PyTorch computes them: the benchmarks hold
+# every contender against pure JAX (the tests pin this themselves: NOTE [full
+# float32 matmuls in tests] in tests/conftest.py).
+export JAX_DEFAULT_MATMUL_PRECISION=highest
+
+RESULTS=()
+FAILED=0
+
+# step NAME LIMIT_SECONDS COMMAND...: run COMMAND, its output to the terminal
+# and to LOG_DIR/NAME.log, killed after LIMIT_SECONDS; record the outcome.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo
+  echo "== $name: $* =="
+  local start=$SECONDS
+  timeout -k 30 "$limit" "$@" 2>&1 | tee "$LOG_DIR/$name.log"
+  local rc=${PIPESTATUS[0]}
+  local took=$((SECONDS - start))
+  if [ "$rc" -eq 0 ]; then
+    RESULTS+=("passed  $name (${took} s)")
+  else
+    local why="exit status $rc"
+    [ "$rc" -eq 124 ] && why="timed out after $limit s"
+    RESULTS+=("FAILED  $name ($why, ${took} s; log: $LOG_DIR/$name.log)")
+    FAILED=1
+  fi
+  return "$rc"
+}
+
+summary() {
+  {
+    echo
+    echo "== summary (logs in $LOG_DIR) =="
+    printf '%s\n' "${RESULTS[@]}"
+    [ "$#" -gt 0 ] && echo "$*"
+  } | tee "$LOG_DIR/summary.txt"
+}
+
+preflight() {
+  if command -v nvidia-smi >/dev/null; then nvidia-smi -L; else echo "(no nvidia-smi on PATH)"; fi
+  "$PY" - <<'EOF'
+import sys
+
+import jax
+import jaxlib
+import torch
+
+print("python", sys.version.split()[0])
+print("jax", jax.__version__, "jaxlib", jaxlib.__version__)
+print("torch", torch.__version__, "built for CUDA", torch.version.cuda)
+print("jax.devices():", jax.devices())
+problems = []
+if jax.default_backend() != "gpu":
+    problems.append(
+        f"JAX's default backend is {jax.default_backend()!r}, not 'gpu': install jax with CUDA "
+        "(jax[cuda12]) and leave JAX_PLATFORMS unset."
+    )
+if not torch.cuda.is_available():
+    problems.append(
+        f"torch.cuda.is_available() is False: torch {torch.__version__} is a CPU build or sees no GPU; "
+        "install a CUDA build of torch."
+    )
+for problem in problems:
+    print("NOT A CUDA MACHINE FOR THESE CHECKS:", problem, file=sys.stderr)
+sys.exit(1 if problems else 0)
+EOF
+}
+
+install() {
+  "$PY" -m pip install --no-build-isolation --no-deps --no-index -e . &&
+    "$PY" -c "import t2j_ad.backends as b, t2j_ad.backends.ffi as f; print('t2j_ad backend', b.select().__name__, 'FFI platforms', sorted(f.platforms()))"
+}
+
+export PY
+export -f preflight install  # for the bash that timeout starts
+step preflight 300 bash -c preflight || { summary "stopped: no GPU for both JAX and PyTorch"; exit 1; }
+step install 900 bash -c install || { summary "stopped: t2j_ad did not install"; exit 1; }
+
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs)
+step unit-and-property-tests 1500 "${PYTEST[@]}" tests --ignore=tests/multidevice
+step graph-mode-tests 900 env T2J_AD_COMPILE=graph T2J_AD_HYPOTHESIS_EXAMPLES="$GRAPH_MODE_EXAMPLES" \
+  "${PYTEST[@]}" "${GRAPH_MODE_TESTS[@]}"
+step callback-backend-tests 600 env T2J_AD_BACKEND=callback "${PYTEST[@]}" "${CALLBACK_TESTS[@]}"
+
+# The benchmarks run on the CPU unless JAX_PLATFORMS says otherwise
+# (benchmarks/common.py); here they run on the GPU.
+BENCH=(env "JAX_PLATFORMS=cuda,cpu" "$PY")
+step bench-call-latency 600 "${BENCH[@]}" benchmarks/bench_call_latency.py --large-mb 64 --repeats 11
+step bench-per-example-grads 600 "${BENCH[@]}" benchmarks/bench_per_example_grads.py --threads 1 --repeats 5
+step bench-hessian 600 "${BENCH[@]}" benchmarks/bench_hessian.py --threads 1 --repeats 5
+step bench-soak 600 "${BENCH[@]}" benchmarks/bench_soak.py --calls 20000 --wrappers 1000 --warmup-wrappers 300 --reports 4
+step bench-registry-memory 600 "${BENCH[@]}" benchmarks/bench_registry_memory.py --calls 1000 --warmup-wrappers 300 --reports 4
+step bench-registry-memory-graph 600 "${BENCH[@]}" benchmarks/bench_registry_memory.py --compile graph \
+  --calls 300 --warmup-wrappers 100 --reports 3
+
+summary "not run here: tests/multidevice and benchmarks/bench_sharded.py (4 simulated CPU devices; CI runs the tests)"
+exit "$FAILED"

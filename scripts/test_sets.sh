@@ -1,0 +1,13 @@
+# The test files of the second and third pytest runs, shared by
+# scripts/run_tests.sh (CI, CPU) and scripts/run_gpu_checks.sh (a CUDA
+# machine), which source this file.
+
+# The core transform tests and the property suite again with every PyTorch
+# function traced (T2J_AD_COMPILE=graph), with fewer property examples than
+# the eager run (60 per pair): the same math, every example traced; CI's
+# 20-minute budget has room for 8 per pair.
+GRAPH_MODE_TESTS=(tests/test_ad.py tests/test_batching.py tests/test_module.py tests/test_ad_fallbacks.py tests/property)
+GRAPH_MODE_EXAMPLES=8
+
+# The core tests again on the Python callback backend (T2J_AD_BACKEND=callback).
+CALLBACK_TESTS=(tests/test_api.py tests/test_module.py tests/test_bad_input.py tests/test_ad.py tests/test_batching.py)
