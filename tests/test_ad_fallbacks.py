@@ -437,7 +437,7 @@ def test_numpy_sort_along_an_axis_of_a_matrix():
 
 
 def _scaled_by_numpy(x: torch.Tensor) -> torch.Tensor:
-    scale = torch.from_numpy(np.cos(x.detach().numpy()))
+    scale = torch.from_numpy(np.cos(x.detach().cpu().numpy())).to(x.device)
     return (x * scale).sum()
 
 

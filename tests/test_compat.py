@@ -557,7 +557,7 @@ def test_torch_vjp_that_cannot_read_data_falls_back():
     # torch2jax 0.8 falls back to torch.autograd.grad when torch.func.vjp
     # refuses; so does t2j_ad (with a FallbackWarning).
     def torch_fn(x):
-        return x * torch.from_numpy(np.cos(x.detach().numpy()))
+        return x * torch.from_numpy(np.cos(x.detach().cpu().numpy())).to(x.device)
 
     jax_fn = torch2jax_with_vjp(torch_fn, torch.ones(4), depth=1)
     x = jnp.linspace(0.0, 1.0, 4, dtype=jnp.float32)
