@@ -33,7 +33,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from common import format_seconds, markdown_table, print_report, set_threads, time_calls  # noqa: E402
+from common import format_seconds, markdown_table, print_report, set_threads, time_calls, torch_done  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -89,7 +89,7 @@ def small(repeats: int) -> str:
     raw = handler_only(x)
     pure = jax.jit(
         lambda x: jax.pure_callback(
-            lambda a: sin2(torch.from_numpy(np.array(a))).numpy(),
+            lambda a: sin2(torch.from_numpy(np.array(a))).numpy(),  # on the host, as pure_callback is
             jax.ShapeDtypeStruct(x.shape, x.dtype),
             x,
         )
@@ -97,8 +97,10 @@ def small(repeats: int) -> str:
     np.testing.assert_allclose(ffi(x), np.asarray(jnp.sin(x) * 2), rtol=1e-6)
     np.testing.assert_allclose(pure(x), np.asarray(jnp.sin(x) * 2), rtol=1e-6)
 
+    sin2_done = torch_done(lambda: sin2(tx))
+
     def floor():
-        sin2(tx)
+        sin2_done()
         identity(x).block_until_ready()
 
     timings = time_calls(
@@ -131,9 +133,9 @@ def large(megabytes: int, repeats: int) -> str:
     rows = []
     for label, fn in (("`x[-8:] * 2` (reads 32 bytes)", tail2), ("`x.sum()` (reads everything)", total)):
         f = jitted_on("ffi", fn, x)
-        np.testing.assert_allclose(np.asarray(f(x)), fn(tx).numpy(), rtol=1e-3)
+        np.testing.assert_allclose(np.asarray(f(x)), fn(tx).cpu().numpy(), rtol=1e-3)
         timings = time_calls(
-            {"torch direct": lambda fn=fn: fn(tx), "t2j_ad ffi": lambda f=f: f(x).block_until_ready()},
+            {"torch direct": torch_done(lambda fn=fn: fn(tx)), "t2j_ad ffi": lambda f=f: f(x).block_until_ready()},
             warmup=3,
             repeats=repeats,
         )

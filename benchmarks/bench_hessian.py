@@ -36,6 +36,8 @@ from common import (  # noqa: E402
     set_threads,
     thread_args,
     time_calls,
+    to_torch,
+    torch_done,
 )
 
 import jax  # noqa: E402
@@ -85,7 +87,7 @@ def make_data(seed: int = 0):
 def contenders(first_calls: list[str]):
     theta, x, y = make_data()
     jtheta, jx, jy = map(jnp.asarray, (theta, x, y))
-    ttheta, tx, ty = map(torch.from_numpy, (theta, x, y))
+    ttheta, tx, ty = to_torch(theta, x, y)
 
     hessian = jax.jit(jax.hessian(t2j_ad.jaxify(torch_loss)))
     compiled = {}
@@ -102,13 +104,13 @@ def contenders(first_calls: list[str]):
     expected = np.asarray(pure(jtheta, jx, jy))
     for got in (hessian(jtheta, jx, jy), compiled["graph"](jtheta, jx, jy), compiled["inductor"](jtheta, jx, jy)):
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(reference(ttheta, tx, ty).numpy(), expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(reference(ttheta, tx, ty).cpu().numpy(), expected, rtol=1e-4, atol=1e-5)
 
     return {
         "t2j_ad": lambda: jax.block_until_ready(hessian(jtheta, jx, jy)),
         "t2j_ad graph": lambda: jax.block_until_ready(compiled["graph"](jtheta, jx, jy)),
         "t2j_ad inductor": lambda: jax.block_until_ready(compiled["inductor"](jtheta, jx, jy)),
-        "torch.func": lambda: reference(ttheta, tx, ty),
+        "torch.func": torch_done(lambda: reference(ttheta, tx, ty)),
         "pure JAX": lambda: jax.block_until_ready(pure(jtheta, jx, jy)),
     }
 

@@ -35,6 +35,41 @@ class Timing:
     repeats: int
 
 
+def torch_device() -> Any:
+    """The torch device matching JAX's default device: ``cuda:N`` or ``cpu``,
+    so a PyTorch contender computes where t2j_ad's calls do."""
+    import jax
+    import torch
+
+    device = jax.devices()[0]
+    return torch.device("cuda", device.local_hardware_id) if device.platform == "gpu" else torch.device("cpu")
+
+
+def to_torch(*trees: Any) -> list[Any]:
+    """Pytrees of NumPy arrays as torch tensors on ``torch_device()``."""
+    import jax
+    import torch
+
+    device = torch_device()
+    return [jax.tree.map(lambda a: torch.from_numpy(a).to(device), tree) for tree in trees]
+
+
+def torch_done(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` as a contender that returns when PyTorch's work is done (CUDA
+    kernels are asynchronous; JAX contenders block on their results alike)."""
+    import torch
+
+    if torch_device().type != "cuda":
+        return fn
+
+    def done() -> Any:
+        result = fn()
+        torch.cuda.synchronize()
+        return result
+
+    return done
+
+
 def _calls_per_sample(fn: Callable[[], Any], min_time: float) -> int:
     start = time.perf_counter()
     fn()
