@@ -9,8 +9,11 @@ by DLPack), and its parameters land where the inputs will be. The buffers
 (``BatchNorm`` statistics, masks, tables) stay torch tensors, passed as
 constants; each call uses them on the device the call runs on, copied there
 once per device and copied again only after the module changed them in place
-(their ``_version`` moved). A call runs where its arrays are, so one module
-serves CPU and GPU calls alike.
+(their ``_version`` moved). The copy for the parameters' device is made when
+the module is jaxified: a graph-mode trace there then finds real tensors to
+take in as constants (its own copies would be fake tensors, and the graph
+would copy the buffers on every replay). A call runs where its arrays are, so
+one module serves CPU and GPU calls alike.
 
 NOTE [one module, many threads]
 torch.func.functional_call runs a module on the parameters it is given by
@@ -34,7 +37,7 @@ import jax
 import torch
 
 from .api import JaxifiedFunction, check_batch_argnums
-from .convert import copy_to_jax
+from .convert import copy_to_jax, torch_device
 
 
 class _BuffersByDevice:
@@ -69,6 +72,15 @@ def _call_device(params: Mapping[str, torch.Tensor], args: Any, kwargs: Any) -> 
         if isinstance(leaf, torch.Tensor):
             return leaf.device
     return None
+
+
+def _first_device(arrays: Any, device: Any) -> jax.Device:
+    """The (first) device the parameters are on, or would be."""
+    for a in arrays:
+        return min(a.devices(), key=lambda d: d.id)
+    if isinstance(device, jax.sharding.Sharding):
+        return min(device.device_set, key=lambda d: d.id)
+    return device if isinstance(device, jax.Device) else jax.devices()[0]
 
 
 def _check_device(device: Any) -> None:
@@ -150,6 +162,8 @@ def jaxify_module(
     _check_device(device)
     params = {name: copy_to_jax(p, device) for name, p in module.named_parameters()}
     buffers = _BuffersByDevice(module)
+    # NOTE [a module's devices]: copied now to where the parameters went.
+    buffers.on(torch_device(_first_device(params.values(), device)))
     in_module = threading.RLock()  # NOTE [one module, many threads]
 
     def forward(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
