@@ -84,7 +84,8 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
 
     def sequential(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if size == 0:
-            return tuple(torch.empty((0,) + o.shape, dtype=torch_dtype(o.dtype)) for o in outs)
+            device = args[0].device if args else None  # the call's, as every output's must be
+            return tuple(torch.empty((0,) + o.shape, dtype=torch_dtype(o.dtype), device=device) for o in outs)
         rows = [g(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)]) for i in range(size)]
         return tuple(torch.stack([r[j] for r in rows]) for j in range(len(outs)))
 

@@ -670,3 +670,11 @@ def test_jacobians_make_one_batched_call_per_level(name):
     # The counter does count: the sequential method calls once per vector.
     x = randn(3)
     assert _runtime_calls(jax.jit(jacobian(COUNTED["sequential"])), x) >= 3
+
+
+@pytest.mark.parametrize("vmap_method", ["sequential", "expand_dims"])
+def test_vmap_over_an_empty_batch(vmap_method):
+    # No row to compute: the outputs are empty arrays of the batched shapes.
+    f = t2j_ad.jaxify(lambda x: (torch.sin(x), x.sum()), vmap_method=vmap_method)
+    x = jnp.zeros((0, 3), jnp.float32)
+    assert_tree_allclose(jax.jit(jax.vmap(f))(x), jax.vmap(lambda x: (jnp.sin(x), x.sum()))(x))
