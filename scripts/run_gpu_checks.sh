@@ -19,7 +19,10 @@
 #      is left out: its 4 devices are simulated CPU devices;
 #   4. the benchmarks that make sense on a GPU (all but bench_sharded.py,
 #      which simulates 4 CPU devices), at modest sizes.
-# About 25 minutes in all. Each step's output goes to the terminal and to
+# About 25 minutes in all. To split the run (a machine that limits each
+# command's time), name the steps to run after preflight and install:
+#   T2J_AD_GPU_STEPS="unit-and-property-tests bench-call-latency" bash scripts/run_gpu_checks.sh LOG_DIR
+# (the step names are those of the summary). Each step's output goes to the terminal and to
 # LOG_DIR/<step>.log; a failing step does not stop the later ones (except 1
 # and 2); LOG_DIR/summary.txt lists every step's result, and the exit status is
 # nonzero if any step failed.
@@ -49,6 +52,11 @@ FAILED=0
 step() {
   local name=$1 limit=$2
   shift 2
+  if [ -n "${T2J_AD_GPU_STEPS:-}" ] && [ "$name" != preflight ] && [ "$name" != install ] &&
+    [[ " $T2J_AD_GPU_STEPS " != *" $name "* ]]; then
+    RESULTS+=("skipped $name (not in T2J_AD_GPU_STEPS)")
+    return 0
+  fi
   echo
   echo "== $name: $* =="
   local start=$SECONDS
