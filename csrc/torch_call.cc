@@ -103,6 +103,12 @@ bool ToDLDataType(ffi::DataType t, DLDataType* out) {
     case ffi::DataType::BF16: *out = {4, 16, 1}; return true;
     case ffi::DataType::C64:  *out = {5, 64, 1}; return true;
     case ffi::DataType::C128: *out = {5, 128, 1}; return true;
+    // The float8 formats both sides have (DLPack 1.1 type codes).
+    case ffi::DataType::F8E4M3FN:   *out = {10, 8, 1}; return true;
+    case ffi::DataType::F8E4M3FNUZ: *out = {11, 8, 1}; return true;
+    case ffi::DataType::F8E5M2:     *out = {12, 8, 1}; return true;
+    case ffi::DataType::F8E5M2FNUZ: *out = {13, 8, 1}; return true;
+    case ffi::DataType::F8E8M0FNU:  *out = {14, 8, 1}; return true;
     default: return false;
   }
 }

@@ -29,6 +29,13 @@ _PAIRS = [
     (jnp.bool_, torch.bool),
     (jnp.complex64, torch.complex64),
     (jnp.complex128, torch.complex128),
+    # The float8 formats both sides have. They carry values across; few
+    # PyTorch ops compute on them (cast with .float() inside the function).
+    (jnp.float8_e4m3fn, torch.float8_e4m3fn),
+    (jnp.float8_e4m3fnuz, torch.float8_e4m3fnuz),
+    (jnp.float8_e5m2, torch.float8_e5m2),
+    (jnp.float8_e5m2fnuz, torch.float8_e5m2fnuz),
+    (jnp.float8_e8m0fnu, torch.float8_e8m0fnu),
 ]
 _J2T: dict[np.dtype, torch.dtype] = {np.dtype(j): t for j, t in _PAIRS}
 _T2J: dict[torch.dtype, np.dtype] = {t: np.dtype(j) for j, t in _PAIRS}

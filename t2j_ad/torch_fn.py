@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Union
 
+import jax
 import numpy as np
 
 
@@ -36,7 +37,8 @@ class Aval:
 
     @property
     def is_inexact(self) -> bool:
-        return np.issubdtype(self.dtype, np.inexact) or self.dtype.name == "bfloat16"
+        # jax.dtypes knows the ml_dtypes floats (bfloat16, the float8 formats) NumPy does not.
+        return jax.dtypes.issubdtype(self.dtype, np.inexact)
 
     @property
     def is_complex(self) -> bool:

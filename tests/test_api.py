@@ -138,6 +138,30 @@ def test_wide_unsigned_dtypes_cross(dtype, x64):
     assert_tree_allclose(back, x)
 
 
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"])
+def test_float8_dtypes_cross_and_differentiate(dtype):
+    # PyTorch computes little in float8: the function upcasts, as a
+    # quantized model's code does, and casts one result back down.
+    f = t2j_ad.jaxify(lambda a: ((a.float() ** 2).sum(), (a.float() * 4).to(a.dtype)))
+    ref = lambda a: ((a.astype(jnp.float32) ** 2).sum(), (a.astype(jnp.float32) * 4).astype(a.dtype))
+    x = jnp.array([0.25, 0.5, 1.0, 2.0], dtype)  # exact in every format here
+    for g in (f, jax.jit(f)):
+        total, scaled = g(x)
+        assert scaled.dtype == x.dtype
+        assert_tree_allclose((total, scaled.astype(jnp.float32)), jax.tree.map(lambda r: r.astype(jnp.float32), ref(x)))
+    # A float8 input is a float input: its gradient is float8 too (not dropped as an integer's would be).
+    loss = lambda fn: lambda a: fn(a)[0]
+    for transform in (jax.grad, jax.jacfwd):
+        got, want = transform(loss(f))(x), transform(loss(ref))(x)
+        assert got.dtype == want.dtype
+        assert_tree_allclose(got.astype(jnp.float32), want.astype(jnp.float32))
+    batch = jnp.stack([x, x[::-1]])
+    assert_tree_allclose(jax.vmap(loss(f))(batch), jax.vmap(loss(ref))(batch))
+    back = t2j_ad.tree_t2j(t2j_ad.tree_j2t(x))
+    assert back.dtype == x.dtype
+    assert_tree_allclose(back.astype(jnp.float32), x.astype(jnp.float32))
+
+
 @pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (1,)])
 def test_zero_dim_and_empty_arrays(shape):
     f = t2j_ad.jaxify(lambda x: x * 3)
