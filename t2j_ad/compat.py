@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch import Size as Size
 
+from . import per_shard
 from .api import JaxifiedFunction
 from .convert import (
     UnsupportedDtypeError,
@@ -301,6 +302,7 @@ class Torch2JaxFunction:
         vmap_method: str,
         nondiff: Sequence[bool] | None = None,
         autograd_vjp: bool = False,
+        out_specs: Any = None,
     ):
         if not callable(fn):
             raise TypeError(f"torch2jax: fn must be callable, got {type(fn).__name__}.")
@@ -313,20 +315,23 @@ class Torch2JaxFunction:
         self._example_key = _signature_key(structs)
         self._nondiff = tuple(nondiff) if nondiff is not None and any(nondiff) else None
         self._warned: set[Any] = set()
-        options = dict(vmap_method=vmap_method, autograd_vjp=autograd_vjp)
+        self._out_specs = out_specs
+        self._fn, self._torch_dtypes = fn, torch_dtypes
+        self._options = options = dict(vmap_method=vmap_method, autograd_vjp=autograd_vjp)
+        # Per-shard functions for the declared output shapes, by per-shard shapes.
+        self._declared_shards: dict[Any, JaxifiedFunction] = {}
         # Any signature, output shapes inferred by the engine and cached per signature.
         self._inferred = JaxifiedFunction(_torch_side(fn, torch_dtypes, None), output_shapes=None, **options)
         if output_shapes is None:
-            self._declared = None
+            self._declared = self._declared_shapes = None
             # torch2jax finds the output shapes when it wraps; so do we, on meta
             # tensors first (the engine's inference), and keep them cached.
             structs = jax.tree.unflatten(self._in_tree, structs)
             args_s, kw_s = structs if self._has_kw else (structs, {})
             jax.eval_shape(lambda a, k: self._inferred(*a, **k), args_s, kw_s)
         else:
-            declared = _normalize_output_shapes(output_shapes, torch_dtypes)
-            torch_side = _torch_side(fn, torch_dtypes, jax.tree.structure(declared))
-            self._declared = JaxifiedFunction(torch_side, output_shapes=declared, **options)
+            self._declared_shapes = _normalize_output_shapes(output_shapes, torch_dtypes)
+            self._declared = self._for_shapes(self._declared_shapes)
         functools.update_wrapper(self, fn, updated=())
 
     def __repr__(self) -> str:
@@ -351,32 +356,64 @@ class Torch2JaxFunction:
             given = jax.tree.unflatten(tree, leaves)
             args, kwargs = given if self._has_kw else (given, {})
         key = _signature_key(leaves)
-        if key == self._example_key and self._declared is not None:
-            return self._declared(*args, **kwargs)
-        if key is not None and key != self._example_key and key not in self._warned:
-            self._warned.add(key)
-            declared = ", not from output_shapes (it describes the example arguments)" if self._declared else ""
-            warnings.warn(
-                _SHAPES_CHANGED.format(
-                    declared=declared, expected=_format_key(self._example_key), actual=_format_key(key)
-                ),
-                UserWarning,
-                stacklevel=2,
-            )
-        return self._inferred(*args, **kwargs)
+        declared = key == self._example_key and self._declared is not None
+        if not declared:
+            self._warn_new_signature(key)
+        shard_plan = per_shard.plan(leaves, self._out_specs, name=f"torch2jax({self._inferred.name})")
+        if shard_plan is None:
+            return (self._declared if declared else self._inferred)(*args, **kwargs)
+        # NOTE [per-shard calls over Explicit axes] in per_shard.py
+        fn = self._declared_per_shard(shard_plan.mesh) if declared else self._inferred
+
+        def one_shard(*shard_leaves: Any) -> Any:
+            given = jax.tree.unflatten(tree, shard_leaves)
+            args, kwargs = given if self._has_kw else (given, {})
+            return fn(*args, **kwargs)
+
+        return per_shard.call_per_shard(one_shard, leaves, shard_plan, self._out_specs)
+
+    def _for_shapes(self, output_shapes: Any) -> JaxifiedFunction:
+        """The function with the given output shapes (no inference)."""
+        torch_side = _torch_side(self._fn, self._torch_dtypes, jax.tree.structure(output_shapes))
+        return JaxifiedFunction(torch_side, output_shapes=output_shapes, **self._options)
+
+    def _declared_per_shard(self, mesh: Any) -> JaxifiedFunction:
+        """The function with the declared output shapes split by ``out_specs`` over ``mesh``."""
+        name = f"torch2jax({self._inferred.name})"
+        shapes = per_shard.local_shapes(self._declared_shapes, self._out_specs, mesh, name=name)
+        key = tuple((s.shape, s.dtype) for s in jax.tree.leaves(shapes))
+        if key not in self._declared_shards:
+            self._declared_shards[key] = self._for_shapes(shapes)
+        return self._declared_shards[key]
+
+    def _warn_new_signature(self, key: tuple[Any, ...] | None) -> None:
+        """Warn once per signature that is not the example arguments'."""
+        if key is None or key == self._example_key or key in self._warned:
+            return
+        self._warned.add(key)
+        declared = ", not from output_shapes (it describes the example arguments)" if self._declared else ""
+        warnings.warn(
+            _SHAPES_CHANGED.format(declared=declared, expected=_format_key(self._example_key), actual=_format_key(key)),
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 # --------------------------------------------------------------- the API
 
 
-def _refuse_sharding(output_sharding_spec: Any, name: str) -> None:
-    if output_sharding_spec is not None:
-        raise NotImplementedError(
-            f"{name}(output_sharding_spec=...) is not supported yet: t2j_ad partitions a call "
-            f"from its inputs' shardings instead. Leave output_sharding_spec=None, and declare the "
-            f"batch axis with t2j_ad.jaxify(fn, batch_argnums=...) or call inside jax.shard_map "
-            f"(docs/multi-device.md)."
-        )
+def _resolve_out_specs(out_specs: Any, output_sharding_spec: Any, name: str) -> Any:
+    """``out_specs``, or the deprecated ``output_sharding_spec`` standing for it (as in torch2jax 0.8)."""
+    if output_sharding_spec is None:
+        return out_specs
+    if out_specs is not None:
+        raise ValueError(f"{name}: give out_specs only; output_sharding_spec is its deprecated name.")
+    warnings.warn(
+        f"{name}(output_sharding_spec=...) is deprecated; pass out_specs=... (the same PartitionSpec).",
+        UserWarning,
+        stacklevel=3,
+    )
+    return output_sharding_spec
 
 
 def torch2jax(
@@ -387,6 +424,7 @@ def torch2jax(
     output_sharding_spec: Any = None,
     vmap_method: str = "sequential",
     depth: int = 2,
+    out_specs: Any = None,
 ) -> Torch2JaxFunction:
     """A JAX function calling the PyTorch function ``fn``, as torch2jax's ``torch2jax``.
 
@@ -400,19 +438,31 @@ def torch2jax(
             ``jax.ShapeDtypeStruct``, or pytrees of them). When given, ``fn``
             is not run to infer them; otherwise it runs once, on meta tensors
             where it can.
-        output_sharding_spec: not supported yet (raises NotImplementedError).
+        output_sharding_spec: the deprecated name of ``out_specs`` (warns).
         vmap_method: how a batch reaches PyTorch under ``jax.vmap``:
             ``"sequential"``, ``"expand_dims"``, ``"broadcast_all"`` or ``"auto"``.
         depth: accepted for compatibility and ignored, as in
             ``torch2jax_with_vjp`` (torch2jax 0.8 made ``torch2jax``
             differentiable to ``depth``; ``depth=0`` was forward only).
+        out_specs: for inputs sharded over a mesh's Explicit axes: the
+            outputs' ``PartitionSpec`` (a tree prefix of the outputs). The
+            function then runs once per shard, on each device's block, inside
+            ``jax.shard_map``; ``output_shapes`` stay global and are split by
+            it. Without it such inputs raise a ``ValueError`` (the call would
+            gather them). See NOTE [per-shard calls over Explicit axes].
 
     The result is differentiable to any order, in forward and reverse mode
     (see ``torch2jax_with_vjp``).
     """
     del depth  # NOTE [torch2jax compatibility]
-    _refuse_sharding(output_sharding_spec, "torch2jax")
-    return Torch2JaxFunction(fn, example_args, example_kw, output_shapes=output_shapes, vmap_method=vmap_method)
+    return Torch2JaxFunction(
+        fn,
+        example_args,
+        example_kw,
+        output_shapes=output_shapes,
+        vmap_method=vmap_method,
+        out_specs=_resolve_out_specs(out_specs, output_sharding_spec, "torch2jax"),
+    )
 
 
 def torch2jax_without_vjp(
@@ -422,6 +472,7 @@ def torch2jax_without_vjp(
     output_shapes: Any = None,
     output_sharding_spec: Any = None,
     vmap_method: str = "sequential",
+    out_specs: Any = None,
 ) -> Torch2JaxFunction:
     """torch2jax's forward-only wrapper: here ``torch2jax`` itself, whose
     result is also differentiable (a superset of what torch2jax offers)."""
@@ -430,8 +481,8 @@ def torch2jax_without_vjp(
         *example_args,
         example_kw=example_kw,
         output_shapes=output_shapes,
-        output_sharding_spec=output_sharding_spec,
         vmap_method=vmap_method,
+        out_specs=_resolve_out_specs(out_specs, output_sharding_spec, "torch2jax_without_vjp"),
     )
 
 
@@ -490,6 +541,7 @@ def torch2jax_with_vjp(
     use_torch_vjp: bool = True,
     output_sharding_spec: Any = None,
     vmap_method: str = "sequential",
+    out_specs: Any = None,
 ) -> Torch2JaxFunction:
     """A differentiable JAX function calling ``torch_fn``, as torch2jax's ``torch2jax_with_vjp``.
 
@@ -506,10 +558,11 @@ def torch2jax_with_vjp(
         use_torch_vjp: False computes reverse mode with
             ``torch.autograd.grad`` instead of ``torch.func.vjp``, for code
             ``torch.func`` refuses (old-style ``autograd.Function``).
-        output_sharding_spec: not supported yet (raises NotImplementedError).
+        output_sharding_spec: the deprecated name of ``out_specs`` (warns).
+        out_specs: as in ``torch2jax``: run once per shard over Explicit axes.
     """
     del depth, use_zeros  # see the docstring and NOTE [torch2jax compatibility]
-    _refuse_sharding(output_sharding_spec, "torch2jax_with_vjp")
+    out_specs = _resolve_out_specs(out_specs, output_sharding_spec, "torch2jax_with_vjp")
     return Torch2JaxFunction(
         torch_fn,
         example_args,
@@ -518,4 +571,5 @@ def torch2jax_with_vjp(
         vmap_method=vmap_method,
         nondiff=_nondiff_mask(example_args, nondiff_argnums, nondiff_mask),
         autograd_vjp=not use_torch_vjp,
+        out_specs=out_specs,
     )

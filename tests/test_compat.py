@@ -24,6 +24,7 @@ from t2j_ad.compat import (
     dtype_t2j,
     torch2jax,
     torch2jax_with_vjp,
+    torch2jax_without_vjp,
     tree_j2t,
     tree_t2j,
 )
@@ -453,12 +454,17 @@ def test_old_style_autograd_function_with_use_torch_vjp_false():
 # ------------------------------------------------- sharding and batching
 
 
-@pytest.mark.parametrize("wrap", [torch2jax, torch2jax_with_vjp])
-def test_output_sharding_spec_is_not_supported_yet(wrap):
+@pytest.mark.parametrize("wrap", [torch2jax, torch2jax_with_vjp, torch2jax_without_vjp])
+def test_output_sharding_spec_is_a_deprecated_name_for_out_specs(wrap):
     spec = jax.sharding.PartitionSpec()
-    with pytest.raises(NotImplementedError, match="not supported yet") as info:
-        wrap(lambda x: x, randn(2), output_sharding_spec=spec)
-    assert isinstance(info.value, RuntimeError)  # what torch2jax raises
+    with pytest.warns(UserWarning, match="deprecated; pass out_specs"):
+        jax_fn = wrap(_scaled, randn(4), randn(4), output_sharding_spec=spec)
+    x, y = jnp.linspace(-1.0, 1.0, 4), jnp.arange(4.0)
+    # Without a mesh the call runs once on the whole arrays, as without a spec
+    # (per-shard calls: tests/multidevice/test_compat_out_specs.py).
+    assert_tree_allclose(jax.jit(jax_fn)(x, y), _scaled_ref(x, y))
+    with pytest.raises(ValueError, match="give out_specs only"):
+        wrap(_scaled, randn(4), randn(4), output_sharding_spec=spec, out_specs=spec)
 
 
 @pytest.mark.parametrize("vmap_method", ["sequential", "expand_dims", "broadcast_all"])
@@ -526,8 +532,6 @@ def test_torch2jax_takes_depth_and_is_differentiable():
 
 
 def test_torch2jax_without_vjp_is_torch2jax():
-    from t2j_ad.compat import torch2jax_without_vjp
-
     xt, yt = torch.randn(3, 4), torch.randn(4)
     jax_fn = jax.jit(torch2jax_without_vjp(lambda x, y: x @ y, xt, yt, output_shapes=Size([3])))
     x, y = tree_t2j((xt, yt))
