@@ -542,6 +542,7 @@ def torch2jax_with_vjp(
     output_sharding_spec: Any = None,
     vmap_method: str = "sequential",
     out_specs: Any = None,
+    use_torch_vmap: bool | None = None,
 ) -> Torch2JaxFunction:
     """A differentiable JAX function calling ``torch_fn``, as torch2jax's ``torch2jax_with_vjp``.
 
@@ -560,8 +561,18 @@ def torch2jax_with_vjp(
             ``torch.func`` refuses (old-style ``autograd.Function``).
         output_sharding_spec: the deprecated name of ``out_specs`` (warns).
         out_specs: as in ``torch2jax``: run once per shard over Explicit axes.
+        use_torch_vmap: torch2jax's older switch, before ``vmap_method``:
+            True is ``vmap_method="expand_dims"`` (one ``torch.vmap`` call),
+            False is ``"sequential"``. Give one of the two.
     """
     del depth, use_zeros  # see the docstring and NOTE [torch2jax compatibility]
+    if use_torch_vmap is not None:
+        if vmap_method != "sequential":
+            raise ValueError(
+                "torch2jax_with_vjp: give vmap_method only; use_torch_vmap is its older form "
+                "(True: 'expand_dims', False: 'sequential')."
+            )
+        vmap_method = "expand_dims" if use_torch_vmap else "sequential"
     out_specs = _resolve_out_specs(out_specs, output_sharding_spec, "torch2jax_with_vjp")
     return Torch2JaxFunction(
         torch_fn,

@@ -479,6 +479,23 @@ def test_vmap_methods(vmap_method):
         )
 
 
+@pytest.mark.parametrize(("use_torch_vmap", "calls_for_3_rows"), [(True, 1), (False, 3)])
+def test_use_torch_vmap_is_the_older_vmap_method(use_torch_vmap, calls_for_3_rows):
+    calls = []
+
+    def scaled(x, y):
+        if not x.is_meta:
+            calls.append(1)
+        return _scaled(x, y)
+
+    jax_fn = torch2jax_with_vjp(scaled, randn(4), randn(4), use_torch_vmap=use_torch_vmap)
+    xs, y = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), jnp.arange(4.0)
+    assert_tree_allclose(jax.vmap(jax_fn, (0, None))(xs, y), jax.vmap(_scaled_ref, (0, None))(xs, y))
+    assert len(calls) == calls_for_3_rows  # True: one torch.vmap call; False: a loop
+    with pytest.raises(ValueError, match="give vmap_method only"):
+        torch2jax_with_vjp(_scaled, randn(4), randn(4), use_torch_vmap=True, vmap_method="broadcast_all")
+
+
 # --------------------------------------------------- dtypes and conversion
 
 
