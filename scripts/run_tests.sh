@@ -15,6 +15,10 @@ PY="${T2J_AD_VENV:-.venv}/bin/python"
 # The tests follow JAX's default platform; .venv has the CPU torch, so JAX is
 # pinned to the CPU here too (on a CUDA machine: scripts/run_gpu_checks.sh).
 export JAX_PLATFORMS=cpu T2J_AD_TORCH_THREADS=1
+# The three long runs spread their tests over pytest-xdist workers, one a core
+# (T2J_AD_TEST_WORKERS=0 runs them in this process); each worker is a process
+# of its own with PyTorch at one thread, so they do not oversubscribe.
+WORKERS=(-n "${T2J_AD_TEST_WORKERS:-2}")
 # Each pytest run appends the number of property examples it executed here
 # (NOTE [counting examples] in tests/property/conftest.py); summed at the end.
 T2J_AD_EXAMPLE_COUNT_FILE="$(mktemp)"
@@ -29,14 +33,14 @@ echo "== packaging: sdist + wheel, installed into a fresh venv =="
 bash scripts/check_wheel.sh
 
 echo "== full suite, default backend =="
-"$PY" -m pytest tests -q -p no:cacheprovider --ignore=tests/multidevice "$@"
+"$PY" -m pytest tests -q -p no:cacheprovider --ignore=tests/multidevice "${WORKERS[@]}" "$@"
 
 echo "== 4 simulated devices: sharded jit, shard_map, pmap, 2 processes =="
 XLA_FLAGS=--xla_force_host_platform_device_count=4 "$PY" -m pytest tests/multidevice -q -p no:cacheprovider "$@"
 
 echo "== core transform tests and property suite, compile='graph' =="
 T2J_AD_COMPILE=graph T2J_AD_HYPOTHESIS_EXAMPLES="$GRAPH_MODE_EXAMPLES" "$PY" -m pytest -q -p no:cacheprovider \
-  "${GRAPH_MODE_TESTS[@]}" "$@"
+  "${WORKERS[@]}" "${GRAPH_MODE_TESTS[@]}" "$@"
 
 echo "== core tests, callback backend =="
-T2J_AD_BACKEND=callback "$PY" -m pytest -q -p no:cacheprovider "${CALLBACK_TESTS[@]}" "$@"
+T2J_AD_BACKEND=callback "$PY" -m pytest -q -p no:cacheprovider "${WORKERS[@]}" "${CALLBACK_TESTS[@]}" "$@"

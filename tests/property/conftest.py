@@ -75,6 +75,7 @@ def pytest_report_header(config):  # noqa: D103
 # pytest run the count is printed and, when T2J_AD_EXAMPLE_COUNT_FILE names a
 # file, appended to it as one line; scripts/run_tests.sh sets it, sums the
 # lines of every pytest run it made and prints "property examples this run: N".
+# Under pytest-xdist (-n) each worker appends its own line.
 COUNT_FILE_ENV = "T2J_AD_EXAMPLE_COUNT_FILE"
 
 
@@ -84,6 +85,8 @@ def _examples_run() -> int:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: D103
+    if config.pluginmanager.has_plugin("dsession"):
+        return  # the pytest-xdist controller runs no test: each worker counts its own
     n = _examples_run()
     terminalreporter.write_line(f"property examples this pytest run: {n}")
     path = os.environ.get(COUNT_FILE_ENV)
