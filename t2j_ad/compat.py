@@ -322,6 +322,7 @@ class Torch2JaxFunction:
         self._declared_shards: dict[Any, JaxifiedFunction] = {}
         # Any signature, output shapes inferred by the engine and cached per signature.
         self._inferred = JaxifiedFunction(_torch_side(fn, torch_dtypes, None), output_shapes=None, **options)
+        self._name = f"torch2jax({self._inferred.name})"  # for the errors
         if output_shapes is None:
             self._declared = self._declared_shapes = None
             # torch2jax finds the output shapes when it wraps; so do we, on meta
@@ -359,7 +360,7 @@ class Torch2JaxFunction:
         declared = key == self._example_key and self._declared is not None
         if not declared:
             self._warn_new_signature(key)
-        shard_plan = per_shard.plan(leaves, self._out_specs, name=f"torch2jax({self._inferred.name})")
+        shard_plan = per_shard.plan(leaves, self._out_specs, name=self._name)
         if shard_plan is None:
             return (self._declared if declared else self._inferred)(*args, **kwargs)
         # NOTE [per-shard calls over Explicit axes] in per_shard.py
@@ -379,8 +380,7 @@ class Torch2JaxFunction:
 
     def _declared_per_shard(self, mesh: Any) -> JaxifiedFunction:
         """The function with the declared output shapes split by ``out_specs`` over ``mesh``."""
-        name = f"torch2jax({self._inferred.name})"
-        shapes = per_shard.local_shapes(self._declared_shapes, self._out_specs, mesh, name=name)
+        shapes = per_shard.local_shapes(self._declared_shapes, self._out_specs, mesh, name=self._name)
         key = tuple((s.shape, s.dtype) for s in jax.tree.leaves(shapes))
         if key not in self._declared_shards:
             self._declared_shards[key] = self._for_shapes(shapes)

@@ -40,23 +40,23 @@ import jax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["ShardPlan", "call_per_shard", "local_shapes", "plan"]
+__all__ = ["ShardPlan", "call_per_shard", "entry_axes", "local_shapes", "plan"]
 
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
 
-def _entry_axes(entry: Any) -> tuple[str, ...]:
+def entry_axes(entry: Any) -> tuple[str, ...]:
     """The mesh axes one entry of a ``PartitionSpec`` shards a dimension over."""
     if entry is None or entry is P.UNCONSTRAINED:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def spec_axes(spec: P) -> frozenset[str]:
+def _spec_axes(spec: P) -> frozenset[str]:
     """Every mesh axis that ``spec`` shards some dimension over."""
-    return frozenset(axis for entry in spec for axis in _entry_axes(entry))
+    return frozenset(axis for entry in spec for axis in entry_axes(entry))
 
 
 def _axes_of_type(mesh: Any, axis_type: AxisType) -> frozenset[str]:
@@ -85,11 +85,11 @@ def plan(leaves: Sequence[Any], out_specs: Any, *, name: str) -> ShardPlan | Non
         in_specs.append(spec if spec is not None else P())
         if spec is None or sharding.mesh.empty:
             continue
-        explicit = spec_axes(spec) & _axes_of_type(sharding.mesh, AxisType.Explicit)
+        explicit = _spec_axes(spec) & _axes_of_type(sharding.mesh, AxisType.Explicit)
         if explicit:
             mesh, manual = sharding.mesh, manual | explicit
     if out_specs is not None and not mesh.empty:
-        named = frozenset().union(*map(spec_axes, jax.tree.leaves(out_specs, is_leaf=_is_spec)))
+        named = frozenset().union(*map(_spec_axes, jax.tree.leaves(out_specs, is_leaf=_is_spec)))
         auto = named & _axes_of_type(mesh, AxisType.Auto)
         if auto:
             raise ValueError(
@@ -121,7 +121,7 @@ def local_shapes(shapes: Any, out_specs: Any, mesh: Any, *, name: str) -> Any:
     """
 
     def local(shape: jax.ShapeDtypeStruct, spec: P) -> jax.ShapeDtypeStruct:
-        parts = [math.prod(mesh.shape[axis] for axis in _entry_axes(entry)) for entry in spec]
+        parts = [math.prod(mesh.shape[axis] for axis in entry_axes(entry)) for entry in spec]
         if len(parts) > len(shape.shape) or any(d % k for d, k in zip(shape.shape, parts)):
             raise ValueError(
                 f"{name}: the declared output shape {tuple(shape.shape)} cannot be partitioned by "

@@ -56,6 +56,7 @@ from .. import backends
 from ..backends import ffi
 from ..primitive import torch_call
 from .._jax_internals import ArrayMapping, SdyShardingRule, custom_partitioning, lower_fun, partitioned_devices
+from ..per_shard import entry_axes
 from ..torch_fn import BaseFn, Jvp, TorchFn, Vjp, Vmap
 
 
@@ -126,10 +127,7 @@ def local_fun(fun: TorchFn, size: int) -> TorchFn:
 
 def _axes_of(sharding: Any, dim: int) -> tuple[str, ...]:
     spec = getattr(sharding, "spec", None)
-    if spec is None or dim >= len(spec) or spec[dim] is None:
-        return ()
-    entry = spec[dim]
-    return (entry,) if isinstance(entry, str) else tuple(entry)
+    return () if spec is None or dim >= len(spec) else entry_axes(spec[dim])
 
 
 def _batch_axes(bm: BatchMap, mesh: Any, arg_shapes: Sequence[Any]) -> tuple[str, ...]:
