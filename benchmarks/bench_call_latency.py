@@ -9,7 +9,14 @@ Small input, ``torch.sin(x) * 2`` on an (8,) float32, jitted. Contenders:
   ``torch.sin(x) * 2`` copied out), i.e. without the runtime's thread, grad
   mode, mutation and result checks: the cost of the C++ path itself;
 - ``t2j_ad callback``: the same, forced onto the Python callback backend;
-- ``jax.pure_callback``: a jitted ``jax.pure_callback`` doing the same work.
+- ``jax.pure_callback``: a jitted ``jax.pure_callback`` doing the same work;
+- ``torch2jax``: the same function through the ``torch2jax`` package, when
+  it is installed (it is not a requirement of t2j_ad).
+
+On a GPU a third section times the pieces of a call there: making XLA's
+stream current (NOTE [switching to XLA's stream]) against entering and
+leaving ``torch.cuda.stream``, and the DLPack import of a CUDA buffer against
+a CPU one.
 
 Targets (issue 5): ``t2j_ad ffi`` at most 1.5x ``floor``, and at least 5x
 faster than ``jax.pure_callback``.
@@ -33,7 +40,15 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from common import format_seconds, markdown_table, print_report, set_threads, time_calls, torch_done  # noqa: E402
+from common import (  # noqa: E402
+    format_seconds,
+    markdown_table,
+    print_report,
+    set_threads,
+    time_calls,
+    torch_device,
+    torch_done,
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -80,6 +95,20 @@ def handler_only(x: jax.Array):
     return jax.jit(lambda x: call(x, key=np.int64(-1)))
 
 
+def torch2jax_contender(fn, x: jax.Array):
+    """``jax.jit`` of the ``torch2jax`` package's wrapper of ``fn``, or None
+    when that package is not installed (or is t2j_ad's own compat layer)."""
+    try:
+        import torch2jax
+    except ImportError:
+        return None
+    from t2j_ad import compat
+
+    if getattr(torch2jax, "torch2jax", None) in (None, compat.torch2jax):
+        return None
+    return jax.jit(torch2jax.torch2jax(fn, x))
+
+
 def small(repeats: int) -> str:
     x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
     tx = torch.from_dlpack(x).clone()
@@ -94,6 +123,7 @@ def small(repeats: int) -> str:
             x,
         )
     )
+    other = torch2jax_contender(sin2, x)
     np.testing.assert_allclose(ffi(x), np.asarray(jnp.sin(x) * 2), rtol=1e-6)
     np.testing.assert_allclose(pure(x), np.asarray(jnp.sin(x) * 2), rtol=1e-6)
 
@@ -103,23 +133,60 @@ def small(repeats: int) -> str:
         sin2_done()
         identity(x).block_until_ready()
 
-    timings = time_calls(
-        {
-            "floor": floor,
-            "t2j_ad ffi": lambda: ffi(x).block_until_ready(),
-            "ffi handler only": lambda: raw(x).block_until_ready(),
-            "t2j_ad callback": lambda: callback(x).block_until_ready(),
-            "jax.pure_callback": lambda: pure(x).block_until_ready(),
-        },
-        warmup=200,
-        repeats=repeats,
-    )
+    contenders = {
+        "floor": floor,
+        "t2j_ad ffi": lambda: ffi(x).block_until_ready(),
+        "ffi handler only": lambda: raw(x).block_until_ready(),
+        "t2j_ad callback": lambda: callback(x).block_until_ready(),
+        "jax.pure_callback": lambda: pure(x).block_until_ready(),
+    }
+    if other is not None:
+        np.testing.assert_allclose(other(x), np.asarray(jnp.sin(x) * 2), rtol=1e-6)
+        contenders["torch2jax"] = lambda: other(x).block_until_ready()
+    timings = time_calls(contenders, warmup=200, repeats=repeats)
     by = {t.name: t.median for t in timings}
     summary = (
         f"t2j_ad ffi / floor = {by['t2j_ad ffi'] / by['floor']:.2f}x (target <= 1.5x); "
         f"jax.pure_callback / t2j_ad ffi = {by['jax.pure_callback'] / by['t2j_ad ffi']:.1f}x (target >= 5x)"
     )
+    if other is not None:
+        summary += f"; torch2jax / t2j_ad ffi = {by['torch2jax'] / by['t2j_ad ffi']:.2f}x (target > 1x)"
+    else:
+        summary += "; torch2jax: not installed here, not timed"
     return markdown_table(timings, "floor") + "\n\n" + summary
+
+
+def gpu_pieces(repeats: int) -> str:
+    """What parts of a GPU call cost, each timed alone (no kernel runs)."""
+    from torch.utils.dlpack import to_dlpack
+
+    from t2j_ad import cuda_streams
+    from t2j_ad.backends.ffi import _from_dlpack
+
+    device = torch_device()
+    xla_side = torch.cuda.Stream(device=device)  # stands in for XLA's stream
+    pointer, index = xla_side.cuda_stream, device.index
+    wrapped = cuda_streams.external_stream(pointer, index)
+    cuda_streams.run_on_stream(pointer, index, lambda: None)  # the first call checks the direct switch
+
+    def context_manager():
+        with torch.cuda.stream(wrapped):
+            pass
+
+    on_gpu, on_cpu = torch.ones(8, device=device), torch.ones(8)
+    timings = time_calls(
+        {
+            "torch.cuda.stream enter + exit": context_manager,
+            "t2j_ad stream switch": lambda: cuda_streams.run_on_stream(pointer, index, lambda: None),
+            "to_dlpack + from_dlpack, CPU tensor": lambda: _from_dlpack(to_dlpack(on_cpu)),
+            "to_dlpack + from_dlpack, CUDA tensor": lambda: _from_dlpack(to_dlpack(on_gpu)),
+        },
+        warmup=200,
+        repeats=repeats,
+    )
+    reason = cuda_streams._runner.fallback_reason
+    how = f"the context manager (the direct switch did not check out: {reason})" if reason else "the direct switch"
+    return markdown_table(timings, "torch.cuda.stream enter + exit") + f"\n\nt2j_ad switches by {how}."
 
 
 def _signed(seconds: float) -> str:
@@ -156,13 +223,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=31)
     args = parser.parse_args()
     set_threads(args.threads)
+    sections = [
+        ("Small input: `torch.sin(x) * 2`, x float32 (8,), jitted", small(args.repeats)),
+        (f"Large input: {args.large_mb} MB float32, jitted", large(args.large_mb, args.repeats)),
+    ]
+    if torch_device().type == "cuda":
+        sections.append(("Pieces of a GPU call, each alone", gpu_pieces(args.repeats)))
     print_report(
         "Call latency: t2j_ad's custom call vs the floor and jax.pure_callback",
         "python benchmarks/bench_call_latency.py " + " ".join(sys.argv[1:]),
-        [
-            ("Small input: `torch.sin(x) * 2`, x float32 (8,), jitted", small(args.repeats)),
-            (f"Large input: {args.large_mb} MB float32, jitted", large(args.large_mb, args.repeats)),
-        ],
+        sections,
     )
 
 

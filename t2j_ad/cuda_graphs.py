@@ -62,10 +62,12 @@ class CudaGraphCall:
         self.static_outputs = tuple(outs)
         self.graph = graph
 
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    def __call__(self, stream: torch.cuda.Stream, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """Replay into the static outputs; None when capture failed (run the
-        function itself then). The caller copies the result while holding
-        ``lock`` and then calls ``finished``."""
+        function itself then). ``stream`` is the current stream, passed in
+        because ``torch.cuda.current_stream()`` costs microseconds per call.
+        The caller copies the result while holding ``lock`` and then calls
+        ``finished``."""
         if self.failed:
             return None
         if self.graph is None:
@@ -81,7 +83,6 @@ class CudaGraphCall:
                     stacklevel=3,
                 )
                 return None
-        stream = torch.cuda.current_stream()
         if self.done is not None:
             stream.wait_event(self.done)
         for static, t in zip(self.static_inputs, inputs):
@@ -89,8 +90,8 @@ class CudaGraphCall:
         self.graph.replay()
         return self.static_outputs
 
-    def finished(self) -> None:
-        """Record that this call's reads of the static outputs are queued."""
+    def finished(self, stream: torch.cuda.Stream) -> None:
+        """Record that this call's reads of the static outputs are queued on ``stream``."""
         if self.graph is not None:
             self.done = torch.cuda.Event()
-            self.done.record(torch.cuda.current_stream())
+            self.done.record(stream)

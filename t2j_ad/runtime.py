@@ -11,13 +11,13 @@ import os
 import threading
 import traceback
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
 from . import graph_mode
 from .convert import jax_dtype
+from .cuda_streams import external_stream, run_on_stream
 from .malloc_tuning import tune_malloc
 from .torch_fn import Jvp, TorchFn
 from .transforms import build
@@ -116,21 +116,6 @@ def not_a_tensor(fn_name: str, where: str, value: object) -> TorchCallError:
 # time; everything else runs concurrently.
 _forward_ad_lock = threading.Lock()
 _forward_ad_held = threading.local()  # .held: this thread holds the lock
-
-
-# XLA's CUDA stream of each device, wrapped once: a new ExternalStream per
-# call cost about 10 us on an H100. Keyed by the device too, so a stream is
-# never labelled with another GPU's index (the current device of the calling
-# thread need not be the call's).
-_external_streams: dict[tuple[int, int], Any] = {}
-
-
-def external_stream(stream: int, device: int) -> Any:
-    """``torch.cuda.ExternalStream`` for XLA's stream pointer on GPU ``device``."""
-    wrapped = _external_streams.get((stream, device))
-    if wrapped is None:
-        wrapped = _external_streams.setdefault((stream, device), torch.cuda.ExternalStream(stream, device=device))
-    return wrapped
 
 
 def _call_device(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> int:
@@ -276,9 +261,14 @@ class _Runner:
 
     def _on_stream(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
         # PyTorch must run on XLA's stream, for the call and the copies.
-        with torch.cuda.stream(external_stream(stream, _call_device(inputs, outputs))):
-            if self.cuda_graph is None or not self._replay_cuda_graph(inputs, outputs):
-                self(inputs, outputs)
+        device = _call_device(inputs, outputs)
+        run_on_stream(stream, device, self._on_current_stream, inputs, outputs, stream, device)
+
+    def _on_current_stream(
+        self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int, device: int
+    ) -> None:
+        if self.cuda_graph is None or not self._replay_cuda_graph(inputs, outputs, external_stream(stream, device)):
+            self(inputs, outputs)
 
     def _first_compiled_call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Trace (and compile) this TorchFn, then run it; eagerly if that fails."""
@@ -301,18 +291,21 @@ class _Runner:
         self.forward_ad = False
         return artifact.run(*inputs)
 
-    def _replay_cuda_graph(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> bool:
-        """One call by CUDA graph replay (NOTE [CUDA graph replay]); False when
-        capture failed, so the caller runs the aten graph instead."""
+    def _replay_cuda_graph(
+        self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: torch.cuda.Stream
+    ) -> bool:
+        """One call by CUDA graph replay on ``stream``, XLA's and the current
+        one (NOTE [CUDA graph replay]); False when capture failed, so the
+        caller runs the aten graph instead."""
         graph = self.cuda_graph
         with graph.lock:
-            results = graph(*inputs)
+            results = graph(stream, *inputs)
             if results is None:
                 self.cuda_graph = None
                 return False
             for out, r in zip(outputs, results):
                 out.copy_(r)
-            graph.finished()
+            graph.finished(stream)
         return True
 
     def _failure(self, err: Exception) -> TorchCallError:

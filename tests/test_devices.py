@@ -209,13 +209,13 @@ def test_trees_keep_each_leafs_device():
 
 @cuda_only
 def test_xla_stream_is_wrapped_once_per_device():
-    from t2j_ad import runtime
+    from t2j_ad import cuda_streams
 
     f = jax.jit(t2j_ad.jaxify(lambda x: torch.sin(x) * 2))
     x = jnp.ones(8)
     for _ in range(3):
         assert_tree_allclose(f(x), jnp.sin(x) * 2)
-    wrapped = dict(runtime._external_streams)
+    wrapped = dict(cuda_streams._external_streams)
     assert wrapped and all(s.device_index == device for (_, device), s in wrapped.items())
     assert_tree_allclose(f(x + 1), jnp.sin(x + 1) * 2)
-    assert runtime._external_streams == wrapped
+    assert cuda_streams._external_streams == wrapped

@@ -1,0 +1,204 @@
+"""Switching PyTorch to XLA's CUDA stream (NOTE [switching to XLA's stream]).
+
+The switch's bookkeeping is checked on every machine against a model of the
+state PyTorch keeps: a current device per thread, a current stream per
+device, and ``_cuda_setStream`` making the stream's device current (as
+``THCPModule_setStream_wrap`` does). The CUDA tests check it on a real GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+from conftest import TORCH_DEVICE, assert_tree_allclose, cuda_only
+
+import t2j_ad
+from t2j_ad import cuda_streams
+from t2j_ad.cuda_streams import DirectSwitch, StreamRunner, check_direct_switch
+
+CUDA = 1  # c10::DeviceType::CUDA
+
+
+@dataclass(frozen=True)
+class Stream:
+    """What the switch reads of a ``torch.cuda.Stream``."""
+
+    stream_id: int
+    device_index: int
+    device_type: int = CUDA
+
+    @property
+    def cuda_stream(self) -> int:  # the stream's pointer; here its id stands in
+        return self.stream_id
+
+
+class CudaState:
+    """PyTorch's CUDA stream state, through the functions the switch calls
+    (``torch._C``'s names) and the public ones ``check_direct_switch`` and
+    the fallback use (``torch.cuda``'s names)."""
+
+    def __init__(self, devices: int = 2) -> None:
+        self.device = 0
+        self.current = {d: (0, d, CUDA) for d in range(devices)}  # default streams
+        self.stream_context_entries = 0
+
+    # torch._C
+    def _cuda_getDevice(self) -> int:
+        return self.device
+
+    def _cuda_getCurrentStream(self, device: int) -> tuple[int, int, int]:
+        return self.current[device]
+
+    def _cuda_setStream(self, stream_id: int, device_index: int, device_type: int) -> None:
+        self.device = device_index
+        self.current[device_index] = (stream_id, device_index, device_type)
+
+    # torch.cuda: these stay right in the variants below, whose C functions differ.
+    def current_device(self) -> int:
+        return self.device
+
+    def set_device(self, device: int) -> None:
+        self.device = device
+
+    def current_stream(self, device: int) -> Stream:
+        return Stream(*self.current[device])
+
+    def set_stream(self, stream: Stream) -> None:
+        CudaState._cuda_setStream(self, stream.stream_id, stream.device_index, stream.device_type)
+
+    @contextlib.contextmanager
+    def stream(self, stream: Stream) -> Iterator[None]:
+        """``torch.cuda.StreamContext``'s moves."""
+        self.stream_context_entries += 1
+        src = self.current_stream(self.device)
+        dst = self.current_stream(stream.device_index)
+        self.set_stream(stream)
+        try:
+            yield
+        finally:
+            self.set_stream(dst)
+            self.set_stream(src)
+
+
+class PackedStreams(CudaState):
+    """An older PyTorch: the current stream comes back packed in one integer."""
+
+    def _cuda_getCurrentStream(self, device: int) -> int:  # type: ignore[override]
+        stream_id, device_index, _ = self.current[device]
+        return stream_id << 8 | device_index
+
+
+class KeepsDevice(CudaState):
+    """A PyTorch whose ``_cuda_setStream`` would not make the stream's device current."""
+
+    def _cuda_setStream(self, stream_id: int, device_index: int, device_type: int) -> None:
+        self.current[device_index] = (stream_id, device_index, device_type)
+
+
+class NoStreamFunctions:
+    """A PyTorch without the C functions (a CPU build, or a renamed API)."""
+
+
+def _seen(state: CudaState, device: int) -> tuple[int, tuple[int, int, int]]:
+    return state.device, state.current[device]
+
+
+@pytest.mark.parametrize("here", [0, 1])
+def test_direct_switch_runs_on_the_stream_and_restores_both_devices(here):
+    state = CudaState()
+    state._cuda_setStream(7, 0, CUDA)  # device 0 had a stream of its own
+    state.device = here
+    before = dict(state.current)
+    xla = Stream(stream_id=42, device_index=1)
+    inside = DirectSwitch(state).run((42, 1, CUDA), _seen, state, 1)
+    assert inside == (1, (42, 1, CUDA))
+    assert state.device == here
+    assert state.current == before
+    assert check_direct_switch(DirectSwitch(state), xla, state) is None
+
+
+def test_direct_switch_restores_after_an_exception():
+    state = CudaState()
+    before = dict(state.current)
+
+    def fail() -> None:
+        assert state.current[1] == (42, 1, CUDA)
+        raise ValueError("from the PyTorch function")
+
+    with pytest.raises(ValueError, match="from the PyTorch function"):
+        DirectSwitch(state).run((42, 1, CUDA), fail)
+    assert (state.device, state.current) == (0, before)
+
+
+def _runner_on(state, monkeypatch) -> StreamRunner:
+    # external_stream wraps the pointer in a torch.cuda.ExternalStream; the
+    # model's streams stand in for it (the pointer is the id).
+    monkeypatch.setattr(cuda_streams, "external_stream", lambda stream, device: Stream(stream, device))
+    return StreamRunner(cuda_c=state, cuda=state if isinstance(state, CudaState) else CudaState())
+
+
+def test_runner_uses_the_direct_switch_once_it_checks_out(monkeypatch, recwarn):
+    state = CudaState()
+    runner = _runner_on(state, monkeypatch)
+    for stream in (42, 43, 42):
+        assert runner.run(stream, 1, _seen, state, 1) == (1, (stream, 1, CUDA))
+        assert _seen(state, 1) == (0, (0, 1, CUDA))
+    assert runner.switch is not None and runner.fallback_reason is None
+    assert state.stream_context_entries == 0
+    assert not [w for w in recwarn if "XLA's CUDA stream" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    "state, reason",
+    [
+        (PackedStreams(), r"TypeError"),
+        (KeepsDevice(), r"inside, the current \(device, stream\) was \(0, "),
+        (NoStreamFunctions(), r"lacks _cuda_getDevice"),
+    ],
+    ids=["packed-streams", "keeps-device", "no-functions"],
+)
+def test_runner_falls_back_to_the_stream_context(state, reason, monkeypatch):
+    runner = _runner_on(state, monkeypatch)
+    public = runner._cuda
+    with pytest.warns(RuntimeWarning, match=rf"did not check out \(.*{reason}.*torch.cuda.stream"):
+        first = runner.run(42, 1, _seen, public, 1)
+    assert first == (1, (42, 1, CUDA))
+    assert runner.switch is None and runner.fallback_reason
+    assert runner.run(43, 1, _seen, public, 1) == (1, (43, 1, CUDA))  # no second warning
+    assert public.stream_context_entries == 2
+    assert _seen(public, 1) == (0, (0, 1, CUDA))
+
+
+# ------------------------------------------------------------ on a GPU
+
+
+@cuda_only
+def test_gpu_run_on_stream_switches_and_restores():
+    device = TORCH_DEVICE.index
+    side = torch.cuda.Stream(device=TORCH_DEVICE)
+    default = torch.cuda.current_stream(TORCH_DEVICE).cuda_stream
+    seen = cuda_streams.run_on_stream(
+        side.cuda_stream, device, lambda: (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
+    )
+    assert seen == (device, side.cuda_stream)
+    assert torch.cuda.current_stream(TORCH_DEVICE).cuda_stream == default
+    # The direct switch checked out on this PyTorch: no fallback to the ~20 us context manager.
+    assert cuda_streams._runner.fallback_reason is None
+    assert cuda_streams._runner.switch is not None
+
+
+@cuda_only
+def test_gpu_calls_leave_the_callers_stream_alone():
+    f = jax.jit(t2j_ad.jaxify(lambda x: torch.sin(x) * 2))
+    x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+    side = torch.cuda.Stream(device=TORCH_DEVICE)
+    with torch.cuda.stream(side):
+        assert_tree_allclose(f(x), jnp.sin(x) * 2)
+        assert_tree_allclose(jax.grad(lambda x: f(x).sum())(x), jnp.cos(x) * 2)
+        assert torch.cuda.current_stream(TORCH_DEVICE).cuda_stream == side.cuda_stream
