@@ -13,10 +13,12 @@ Small input, ``torch.sin(x) * 2`` on an (8,) float32, jitted. Contenders:
 - ``torch2jax``: the same function through the ``torch2jax`` package, when
   it is installed (it is not a requirement of t2j_ad).
 
-On a GPU a third section times the pieces of a call there: making XLA's
-stream current (NOTE [switching to XLA's stream]) against entering and
-leaving ``torch.cuda.stream``, and the DLPack import of a CUDA buffer against
-a CPU one.
+On a GPU a third section times the pieces of a call there: whole calls that
+do less and less (a jitted JAX identity; our custom call with a runner that
+does nothing; one that only copies its input on XLA's stream), then
+host-side steps alone: making XLA's stream current (NOTE [switching to XLA's
+stream]) against entering and leaving ``torch.cuda.stream``, and the DLPack
+import of a CUDA buffer against a CPU one.
 
 Targets (issue 5): ``t2j_ad ffi`` at most 1.5x ``floor``, and at least 5x
 faster than ``jax.pure_callback``.
@@ -81,8 +83,8 @@ def jitted_on(backend: str, fn, x: jax.Array):
     return f
 
 
-def handler_only(x: jax.Array):
-    """The FFI custom call with a bare runner: ``torch.sin(x) * 2`` copied out.
+def custom_call(x: jax.Array, key: int, runner):
+    """``jax.jit`` of the FFI custom call on ``x`` with a runner of our own.
 
     Registered under a negative key, which ``registry.register`` never
     hands out, in the table the C++ handler reads (NOTE [registry lifetime]).
@@ -90,9 +92,14 @@ def handler_only(x: jax.Array):
     from t2j_ad.backends import ffi, registry
 
     assert ffi.available()
-    registry.runners[-1] = lambda inputs, outputs, stream: outputs[0].copy_(sin2(inputs[0]))
+    registry.runners[key] = runner
     call = jax.ffi.ffi_call(ffi.TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
-    return jax.jit(lambda x: call(x, key=np.int64(-1)))
+    return jax.jit(lambda x: call(x, key=np.int64(key)))
+
+
+def handler_only(x: jax.Array):
+    """The FFI custom call with a bare runner: ``torch.sin(x) * 2`` copied out."""
+    return custom_call(x, -1, lambda inputs, outputs, stream: outputs[0].copy_(sin2(inputs[0])))
 
 
 def torch2jax_contender(fn, x: jax.Array):
@@ -157,11 +164,30 @@ def small(repeats: int) -> str:
 
 
 def gpu_pieces(repeats: int) -> str:
-    """What parts of a GPU call cost, each timed alone (no kernel runs)."""
+    """What the parts of a GPU call cost: whole calls that do less and less,
+    then host-side steps timed alone."""
     from torch.utils.dlpack import to_dlpack
 
     from t2j_ad import cuda_streams
     from t2j_ad.backends.ffi import _from_dlpack
+
+    x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+    identity = jax.jit(lambda x: x)
+    noop = custom_call(x, -2, lambda inputs, outputs, stream: None)
+    copy = custom_call(
+        x, -3, lambda inputs, outputs, stream: cuda_streams.run_on_stream(
+            stream, inputs[0].get_device(), outputs[0].copy_, inputs[0]
+        )
+    )
+    calls = time_calls(
+        {
+            "jitted JAX identity": lambda: identity(x).block_until_ready(),
+            "custom call, runner does nothing": lambda: noop(x).block_until_ready(),
+            "custom call, runner copies the input on XLA's stream": lambda: copy(x).block_until_ready(),
+        },
+        warmup=200,
+        repeats=repeats,
+    )
 
     device = torch_device()
     xla_side = torch.cuda.Stream(device=device)  # stands in for XLA's stream
@@ -174,7 +200,7 @@ def gpu_pieces(repeats: int) -> str:
             pass
 
     on_gpu, on_cpu = torch.ones(8, device=device), torch.ones(8)
-    timings = time_calls(
+    steps = time_calls(
         {
             "torch.cuda.stream enter + exit": context_manager,
             "t2j_ad stream switch": lambda: cuda_streams.run_on_stream(pointer, index, lambda: None),
@@ -186,7 +212,12 @@ def gpu_pieces(repeats: int) -> str:
     )
     reason = cuda_streams._runner.fallback_reason
     how = f"the context manager (the direct switch did not check out: {reason})" if reason else "the direct switch"
-    return markdown_table(timings, "torch.cuda.stream enter + exit") + f"\n\nt2j_ad switches by {how}."
+    return (
+        markdown_table(calls, "jitted JAX identity")
+        + "\n\n"
+        + markdown_table(steps, "torch.cuda.stream enter + exit")
+        + f"\n\nt2j_ad switches streams by {how}."
+    )
 
 
 def _signed(seconds: float) -> str:
