@@ -3,7 +3,9 @@
 The switch's bookkeeping is checked on every machine against a model of the
 state PyTorch keeps: a current device per thread, a current stream per
 device, and ``_cuda_setStream`` making the stream's device current (as
-``THCPModule_setStream_wrap`` does). The CUDA tests check it on a real GPU.
+``THCPModule_setStream_wrap`` does). The runner's path for a call that
+comes with a stream (the CUDA handler's) is checked on CPU tensors with the
+switch recorded. The CUDA tests check it all on a real GPU.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 from conftest import TORCH_DEVICE, assert_tree_allclose, cuda_only
 
 import t2j_ad
-from t2j_ad import cuda_streams
+from t2j_ad import cuda_streams, runtime
 from t2j_ad.cuda_streams import DirectSwitch, StreamRunner, check_direct_switch
+from t2j_ad.torch_fn import Aval, BaseFn, TorchFn
 
 CUDA = 1  # c10::DeviceType::CUDA
 
@@ -173,6 +177,87 @@ def test_runner_falls_back_to_the_stream_context(state, reason, monkeypatch):
     assert runner.run(43, 1, _seen, public, 1) == (1, (43, 1, CUDA))  # no second warning
     assert public.stream_context_entries == 2
     assert _seen(public, 1) == (0, (0, 1, CUDA))
+
+
+# ------------------------------------- the runner's path for a stream call
+
+
+def _sin2_fn() -> TorchFn:
+    def sin2(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x) * 2
+
+    aval = Aval((8,), np.dtype(np.float32))
+    return TorchFn.of(
+        BaseFn(
+            lambda x: (sin2(x),),
+            name="sin2",
+            vmap_method="auto",
+            in_avals=(aval,),
+            out_avals=(aval,),
+            out_names=("sin2: output",),
+            torch_out_dtypes=(torch.float32,),
+            mutation_checked=True,
+            direct=sin2,
+            direct_single=True,
+        )
+    )
+
+
+class RecordedSwitch:
+    """Stands in for ``cuda_streams``: records what a stream call asks of it."""
+
+    def __init__(self) -> None:
+        self.switches: list[tuple[int, int]] = []
+
+    def run_on_stream(self, stream, device, fn, *args):
+        self.switches.append((stream, device))
+        return fn(*args)
+
+    def external_stream(self, stream: int, device: int) -> Stream:
+        return Stream(stream, device)
+
+
+class RecordedGraph:
+    """Stands in for a ``cuda_graphs.CudaGraphCall``: replays by calling the function."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.lock = contextlib.nullcontext()
+        self.streams: list[Stream] = []
+
+    def __call__(self, stream, *inputs):
+        self.streams.append(stream)
+        return self.fn(*inputs)
+
+    def finished(self, stream) -> None:
+        assert stream is self.streams[-1]
+
+
+@pytest.fixture
+def recorded(monkeypatch) -> RecordedSwitch:
+    switch = RecordedSwitch()
+    monkeypatch.setattr(runtime, "run_on_stream", switch.run_on_stream)
+    monkeypatch.setattr(runtime, "external_stream", switch.external_stream)
+    return switch
+
+
+def test_a_stream_call_runs_through_the_switch(recorded):
+    x = torch.linspace(-1.0, 1.0, 8)
+    out = torch.empty(8)
+    runtime.run_into(_sin2_fn(), [x], [out], stream=1234)
+    assert recorded.switches == [(1234, x.get_device())]
+    torch.testing.assert_close(out, torch.sin(x) * 2)
+
+
+def test_a_cuda_graph_replays_on_xlas_stream(recorded):
+    fun = _sin2_fn()
+    graph = RecordedGraph(lambda x: (torch.sin(x) * 2,))
+    runtime.runner_for(fun).cuda_graph = graph
+    x = torch.linspace(-1.0, 1.0, 8)
+    out = torch.empty(8)
+    runtime.run_into(fun, [x], [out], stream=1234)
+    assert graph.streams == [Stream(1234, x.get_device())]
+    torch.testing.assert_close(out, torch.sin(x) * 2)
 
 
 # ------------------------------------------------------------ on a GPU
