@@ -17,8 +17,10 @@ On a GPU a third section times the pieces of a call there: whole calls that
 do less and less (a jitted JAX identity; our custom call with a runner that
 does nothing; one that only copies its input on XLA's stream), then
 host-side steps alone: making XLA's stream current (NOTE [switching to XLA's
-stream]) against entering and leaving ``torch.cuda.stream``, and the DLPack
-import of a CUDA buffer against a CPU one.
+stream]), with and without ordering it with PyTorch's stream (NOTE [ordering
+with the caller's PyTorch stream]), against entering and leaving
+``torch.cuda.stream``, and the DLPack import of a CUDA buffer against a CPU
+one.
 
 Targets (issue 5): ``t2j_ad ffi`` at most 1.5x ``floor``, and at least 5x
 faster than ``jax.pure_callback``.
@@ -200,16 +202,17 @@ def gpu_pieces(repeats: int) -> str:
             pass
 
     on_gpu, on_cpu = torch.ones(8, device=device), torch.ones(8)
-    steps = time_calls(
-        {
-            "torch.cuda.stream enter + exit": context_manager,
-            "t2j_ad stream switch": lambda: cuda_streams.run_on_stream(pointer, index, lambda: None),
-            "to_dlpack + from_dlpack, CPU tensor": lambda: _from_dlpack(to_dlpack(on_cpu)),
-            "to_dlpack + from_dlpack, CUDA tensor": lambda: _from_dlpack(to_dlpack(on_gpu)),
-        },
-        warmup=200,
-        repeats=repeats,
-    )
+    contenders = {
+        "torch.cuda.stream enter + exit": context_manager,
+        "t2j_ad stream switch, ordered both ways": lambda: cuda_streams.run_on_stream(pointer, index, lambda: None),
+        "to_dlpack + from_dlpack, CPU tensor": lambda: _from_dlpack(to_dlpack(on_cpu)),
+        "to_dlpack + from_dlpack, CUDA tensor": lambda: _from_dlpack(to_dlpack(on_gpu)),
+    }
+    switch = cuda_streams._runner.switch
+    if switch is not None:
+        ids = (wrapped.stream_id, wrapped.device_index, wrapped.device_type)
+        contenders["t2j_ad stream switch alone"] = lambda: switch.run(ids, lambda: None)
+    steps = time_calls(contenders, warmup=200, repeats=repeats)
     reason = cuda_streams._runner.fallback_reason
     how = f"the context manager (the direct switch did not check out: {reason})" if reason else "the direct switch"
     return (

@@ -1,4 +1,5 @@
-"""Running PyTorch on XLA's CUDA stream, as cheaply as the call allows.
+"""Running PyTorch on XLA's CUDA stream, as cheaply as the call allows, and
+ordered with the stream PyTorch itself was using.
 
 The CUDA handler passes XLA's stream pointer and the runner must make it
 PyTorch's current stream for the call and its copies (NOTE [one build for
@@ -27,6 +28,22 @@ current stream and device must be XLA's; afterwards, the thread's device and
 both devices' streams must be what they were. If a function is missing,
 takes other arguments, or any check fails, every call uses
 ``torch.cuda.stream`` instead, with one warning, and stays correct.
+
+NOTE [ordering with the caller's PyTorch stream]
+XLA's stream and the stream PyTorch was using before the call (the current
+stream of the call's device on the thread that runs it: for a jitted call,
+the caller's, by default PyTorch's default stream) are different streams, and
+XLA creates its streams non-blocking, so nothing orders one after the other.
+PyTorch state outside the call's arguments then races: a weight or buffer
+updated by PyTorch just before the call could be read by the function before
+the update lands, and a tensor the function writes could be read by PyTorch
+work queued after the call before the write lands. So each call is ordered
+both ways, with two CUDA events per thread and device (``StreamOrder``):
+before the function runs, XLA's stream waits for what the caller's stream
+has queued so far; after it, the caller's stream waits for what XLA's stream
+has queued so far, the function's work included. Both waits are on the
+device, queued without blocking the host. torch2jax's own suite checks the
+same two orders (its ``test_cuda_stream.py``).
 """
 
 from __future__ import annotations
@@ -117,13 +134,57 @@ def check_direct_switch(switch: DirectSwitch, target: Any, cuda: Any = torch.cud
     return reason
 
 
-class StreamRunner:
-    """Runs calls on XLA's stream: by ``DirectSwitch`` once it has passed
-    ``check_direct_switch``, else by ``cuda.stream``."""
+class StreamOrder:
+    """Orders a call on XLA's stream with the caller's PyTorch stream, both
+    ways (NOTE [ordering with the caller's PyTorch stream])."""
 
-    def __init__(self, cuda_c: Any = None, cuda: Any = torch.cuda) -> None:
+    def __init__(self) -> None:
+        self._local = threading.local()  # .events: device -> (before, after)
+        self._streams: dict[tuple[int, int, int], Any] = {}
+
+    def stream(self, ids: tuple[int, int, int]) -> Any:
+        """The ``torch.cuda.Stream`` with ``ids`` (stream_id, device_index,
+        device_type), made once."""
+        found = self._streams.get(ids)
+        if found is None:
+            found = self._streams.setdefault(
+                ids, torch.cuda.Stream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+            )
+        return found
+
+    def _events(self, device: int) -> tuple[Any, Any]:
+        # Per thread: two threads recording one event would each wait on the
+        # other's stream. Per device: an event records on its own device only.
+        events = getattr(self._local, "events", None)
+        if events is None:
+            events = self._local.events = {}
+        pair = events.get(device)
+        if pair is None:
+            pair = events[device] = (torch.cuda.Event(), torch.cuda.Event())
+        return pair
+
+    def run(self, caller: Any, target: Any, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` (which queues work on ``target``, the current stream)
+        after ``caller``'s queued work, and ``caller`` after it."""
+        before, after = self._events(target.device_index)
+        before.record(caller)
+        target.wait_event(before)
+        try:
+            return fn(*args)
+        finally:
+            after.record(target)
+            caller.wait_event(after)
+
+
+class StreamRunner:
+    """Runs calls on XLA's stream, ordered with the caller's PyTorch stream:
+    by ``DirectSwitch`` once it has passed ``check_direct_switch``, else by
+    ``cuda.stream``."""
+
+    def __init__(self, cuda_c: Any = None, cuda: Any = torch.cuda, order: StreamOrder | None = None) -> None:
         self._cuda_c = cuda_c  # None: torch._C, looked up at the first call
         self._cuda = cuda
+        self._order = StreamOrder() if order is None else order
         self._lock = threading.Lock()
         self._checked = False
         self.switch: DirectSwitch | None = None  # set once the check passed
@@ -159,10 +220,13 @@ class StreamRunner:
         if switch is None and not self._checked:
             self._check(target)
             switch = self.switch
+        order = self._order
         if switch is not None:
-            return switch.run(_stream_ids(target), fn, *args)
+            caller = order.stream(switch.get_stream(device))
+            return switch.run(_stream_ids(target), order.run, caller, target, fn, *args)
+        caller = self._cuda.current_stream(device)
         with self._cuda.stream(target):
-            return fn(*args)
+            return order.run(caller, target, fn, *args)
 
 
 _runner = StreamRunner()
@@ -170,5 +234,7 @@ _runner = StreamRunner()
 
 def run_on_stream(stream: int, device: int, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` with XLA's ``stream`` (a ``cudaStream_t`` as an integer) on
-    GPU ``device`` as PyTorch's current stream (NOTE [switching to XLA's stream])."""
+    GPU ``device`` as PyTorch's current stream (NOTE [switching to XLA's
+    stream]), ordered both ways with the stream PyTorch had current there
+    (NOTE [ordering with the caller's PyTorch stream])."""
     return _runner.run(stream, device, fn, *args)

@@ -1,4 +1,6 @@
-"""Switching PyTorch to XLA's CUDA stream (NOTE [switching to XLA's stream]).
+"""Switching PyTorch to XLA's CUDA stream (NOTE [switching to XLA's stream])
+and ordering each call with the caller's PyTorch stream (NOTE [ordering with
+the caller's PyTorch stream]).
 
 The switch's bookkeeping is checked on every machine against a model of the
 state PyTorch keeps: a current device per thread, a current stream per
@@ -140,22 +142,45 @@ def test_direct_switch_restores_after_an_exception():
     assert (state.device, state.current) == (0, before)
 
 
-def _runner_on(state, monkeypatch) -> StreamRunner:
+class RecordedOrder:
+    """Stands in for ``StreamOrder`` (CUDA events): records, for each call,
+    the caller's stream it orders with and the stream current while it runs."""
+
+    def __init__(self, state: CudaState) -> None:
+        self.state = state
+        self.calls: list[tuple[Stream, Stream, tuple[int, int, int]]] = []
+
+    def stream(self, ids: tuple[int, int, int]) -> Stream:
+        return Stream(*ids)
+
+    def run(self, caller, target, fn, *args):
+        self.calls.append((caller, target, self.state.current[target.device_index]))
+        return fn(*args)
+
+
+def _runner_on(state, monkeypatch) -> tuple[StreamRunner, RecordedOrder]:
     # external_stream wraps the pointer in a torch.cuda.ExternalStream; the
     # model's streams stand in for it (the pointer is the id).
     monkeypatch.setattr(cuda_streams, "external_stream", lambda stream, device: Stream(stream, device))
-    return StreamRunner(cuda_c=state, cuda=state if isinstance(state, CudaState) else CudaState())
+    public = state if isinstance(state, CudaState) else CudaState()
+    order = RecordedOrder(public)
+    return StreamRunner(cuda_c=state, cuda=public, order=order), order
 
 
 def test_runner_uses_the_direct_switch_once_it_checks_out(monkeypatch, recwarn):
     state = CudaState()
-    runner = _runner_on(state, monkeypatch)
+    state._cuda_setStream(7, 1, CUDA)  # the caller had a stream of its own on device 1
+    state.device = 0
+    runner, order = _runner_on(state, monkeypatch)
     for stream in (42, 43, 42):
         assert runner.run(stream, 1, _seen, state, 1) == (1, (stream, 1, CUDA))
-        assert _seen(state, 1) == (0, (0, 1, CUDA))
+        assert _seen(state, 1) == (0, (7, 1, CUDA))
     assert runner.switch is not None and runner.fallback_reason is None
     assert state.stream_context_entries == 0
     assert not [w for w in recwarn if "XLA's CUDA stream" in str(w.message)]
+    # Each call is ordered with the caller's stream on the call's device,
+    # while XLA's stream is current.
+    assert order.calls == [(Stream(7, 1), Stream(s, 1), (s, 1, CUDA)) for s in (42, 43, 42)]
 
 
 @pytest.mark.parametrize(
@@ -168,7 +193,7 @@ def test_runner_uses_the_direct_switch_once_it_checks_out(monkeypatch, recwarn):
     ids=["packed-streams", "keeps-device", "no-functions"],
 )
 def test_runner_falls_back_to_the_stream_context(state, reason, monkeypatch):
-    runner = _runner_on(state, monkeypatch)
+    runner, order = _runner_on(state, monkeypatch)
     public = runner._cuda
     with pytest.warns(RuntimeWarning, match=rf"did not check out \(.*{reason}.*torch.cuda.stream"):
         first = runner.run(42, 1, _seen, public, 1)
@@ -177,6 +202,7 @@ def test_runner_falls_back_to_the_stream_context(state, reason, monkeypatch):
     assert runner.run(43, 1, _seen, public, 1) == (1, (43, 1, CUDA))  # no second warning
     assert public.stream_context_entries == 2
     assert _seen(public, 1) == (0, (0, 1, CUDA))
+    assert order.calls == [(Stream(0, 1), Stream(s, 1), (s, 1, CUDA)) for s in (42, 43)]
 
 
 # ------------------------------------- the runner's path for a stream call
@@ -287,3 +313,46 @@ def test_gpu_calls_leave_the_callers_stream_alone():
         assert_tree_allclose(f(x), jnp.sin(x) * 2)
         assert_tree_allclose(jax.grad(lambda x: f(x).sum())(x), jnp.cos(x) * 2)
         assert torch.cuda.current_stream(TORCH_DEVICE).cuda_stream == side.cuda_stream
+
+
+def _late(value: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """``value`` (1024 entries), ready only after 20 large matmuls queued on
+    the current stream: a read that is not ordered after it sees old data."""
+    b = base
+    for _ in range(20):
+        b = b @ base * 1e-3
+    return b[0, :1024] * 0 + value
+
+
+@cuda_only
+def test_gpu_call_sees_pytorch_work_queued_before_it():
+    # NOTE [ordering with the caller's PyTorch stream]: a weight PyTorch
+    # updates on its own stream just before the call.
+    base = torch.randn(4096, 4096, device=TORCH_DEVICE)
+    weight = torch.zeros(1024, device=TORCH_DEVICE)
+    f = jax.jit(t2j_ad.jaxify(lambda x: x + weight, output_shapes=jax.ShapeDtypeStruct((1024,), jnp.float32)))
+    x = jnp.zeros(1024, jnp.float32)
+    jax.block_until_ready(f(x))
+    for i in range(1, 4):
+        torch.cuda.synchronize()
+        weight.copy_(_late(torch.full((1024,), float(i), device=TORCH_DEVICE), base))
+        np.testing.assert_array_equal(np.asarray(f(x)), np.full(1024, i, np.float32))
+
+
+@cuda_only
+def test_pytorch_work_queued_after_a_gpu_call_sees_what_it_wrote():
+    # NOTE [ordering with the caller's PyTorch stream]: state the function
+    # writes, read by PyTorch right after the call, without blocking on JAX.
+    base = torch.randn(4096, 4096, device=TORCH_DEVICE)
+    state = torch.zeros(1024, device=TORCH_DEVICE)
+
+    def remember(x: torch.Tensor) -> torch.Tensor:
+        state.copy_(_late(x, base))
+        return x * 2
+
+    f = jax.jit(t2j_ad.jaxify(remember, output_shapes=jax.ShapeDtypeStruct((1024,), jnp.float32)))
+    jax.block_until_ready(f(jnp.zeros(1024, jnp.float32)))
+    for i in range(1, 4):
+        torch.cuda.synchronize()
+        f(jnp.full(1024, float(i), jnp.float32))
+        assert float((state * 1).sum().item()) == 1024 * i
