@@ -178,7 +178,7 @@ def gpu_pieces(repeats: int) -> str:
     noop = custom_call(x, -2, lambda inputs, outputs, stream: None)
     copy = custom_call(
         x, -3, lambda inputs, outputs, stream: cuda_streams.run_on_stream(
-            stream, inputs[0].get_device(), outputs[0].copy_, inputs[0]
+            cuda_streams.external_stream(stream, inputs[0].get_device()), outputs[0].copy_, inputs[0]
         )
     )
     calls = time_calls(
@@ -193,9 +193,8 @@ def gpu_pieces(repeats: int) -> str:
 
     device = torch_device()
     xla_side = torch.cuda.Stream(device=device)  # stands in for XLA's stream
-    pointer, index = xla_side.cuda_stream, device.index
-    wrapped = cuda_streams.external_stream(pointer, index)
-    cuda_streams.run_on_stream(pointer, index, lambda: None)  # the first call checks the direct switch
+    wrapped = cuda_streams.external_stream(xla_side.cuda_stream, device.index)
+    cuda_streams.run_on_stream(wrapped, lambda: None)  # the first call checks the direct switch
 
     def context_manager():
         with torch.cuda.stream(wrapped):
@@ -204,7 +203,7 @@ def gpu_pieces(repeats: int) -> str:
     on_gpu, on_cpu = torch.ones(8, device=device), torch.ones(8)
     contenders = {
         "torch.cuda.stream enter + exit": context_manager,
-        "t2j_ad stream switch, ordered both ways": lambda: cuda_streams.run_on_stream(pointer, index, lambda: None),
+        "t2j_ad stream switch, ordered both ways": lambda: cuda_streams.run_on_stream(wrapped, lambda: None),
         "to_dlpack + from_dlpack, CPU tensor": lambda: _from_dlpack(to_dlpack(on_cpu)),
         "to_dlpack + from_dlpack, CUDA tensor": lambda: _from_dlpack(to_dlpack(on_gpu)),
     }

@@ -213,9 +213,9 @@ class StreamRunner:
                 )
             self._checked = True
 
-    def run(self, stream: int, device: int, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` with XLA's ``stream`` on GPU ``device`` current."""
-        target = external_stream(stream, device)
+    def run(self, target: Any, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` with ``target`` (XLA's stream, wrapped) current."""
+        device = target.device_index
         switch = self.switch
         if switch is None and not self._checked:
             self._check(target)
@@ -232,9 +232,9 @@ class StreamRunner:
 _runner = StreamRunner()
 
 
-def run_on_stream(stream: int, device: int, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` with XLA's ``stream`` (a ``cudaStream_t`` as an integer) on
-    GPU ``device`` as PyTorch's current stream (NOTE [switching to XLA's
-    stream]), ordered both ways with the stream PyTorch had current there
-    (NOTE [ordering with the caller's PyTorch stream])."""
-    return _runner.run(stream, device, fn, *args)
+def run_on_stream(target: Any, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` with ``target``, XLA's stream as ``external_stream``
+    wraps it, as PyTorch's current stream (NOTE [switching to XLA's stream]),
+    ordered both ways with the stream PyTorch had current on its device (NOTE
+    [ordering with the caller's PyTorch stream])."""
+    return _runner.run(target, fn, *args)

@@ -261,13 +261,13 @@ class _Runner:
 
     def _on_stream(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
         # PyTorch must run on XLA's stream, for the call and the copies.
-        device = _call_device(inputs, outputs)
-        run_on_stream(stream, device, self._on_current_stream, inputs, outputs, stream, device)
+        target = external_stream(stream, _call_device(inputs, outputs))
+        run_on_stream(target, self._on_current_stream, target, inputs, outputs)
 
     def _on_current_stream(
-        self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int, device: int
+        self, target: torch.cuda.Stream, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
     ) -> None:
-        if self.cuda_graph is None or not self._replay_cuda_graph(inputs, outputs, external_stream(stream, device)):
+        if self.cuda_graph is None or not self._replay_cuda_graph(inputs, outputs, target):
             self(inputs, outputs)
 
     def _first_compiled_call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -158,22 +158,20 @@ class RecordedOrder:
         return fn(*args)
 
 
-def _runner_on(state, monkeypatch) -> tuple[StreamRunner, RecordedOrder]:
-    # external_stream wraps the pointer in a torch.cuda.ExternalStream; the
-    # model's streams stand in for it (the pointer is the id).
-    monkeypatch.setattr(cuda_streams, "external_stream", lambda stream, device: Stream(stream, device))
+def _runner_on(state) -> tuple[StreamRunner, RecordedOrder]:
+    # The model's streams stand in for torch.cuda.ExternalStream (the pointer is the id).
     public = state if isinstance(state, CudaState) else CudaState()
     order = RecordedOrder(public)
     return StreamRunner(cuda_c=state, cuda=public, order=order), order
 
 
-def test_runner_uses_the_direct_switch_once_it_checks_out(monkeypatch, recwarn):
+def test_runner_uses_the_direct_switch_once_it_checks_out(recwarn):
     state = CudaState()
     state._cuda_setStream(7, 1, CUDA)  # the caller had a stream of its own on device 1
     state.device = 0
-    runner, order = _runner_on(state, monkeypatch)
+    runner, order = _runner_on(state)
     for stream in (42, 43, 42):
-        assert runner.run(stream, 1, _seen, state, 1) == (1, (stream, 1, CUDA))
+        assert runner.run(Stream(stream, 1), _seen, state, 1) == (1, (stream, 1, CUDA))
         assert _seen(state, 1) == (0, (7, 1, CUDA))
     assert runner.switch is not None and runner.fallback_reason is None
     assert state.stream_context_entries == 0
@@ -192,14 +190,14 @@ def test_runner_uses_the_direct_switch_once_it_checks_out(monkeypatch, recwarn):
     ],
     ids=["packed-streams", "keeps-device", "no-functions"],
 )
-def test_runner_falls_back_to_the_stream_context(state, reason, monkeypatch):
-    runner, order = _runner_on(state, monkeypatch)
+def test_runner_falls_back_to_the_stream_context(state, reason):
+    runner, order = _runner_on(state)
     public = runner._cuda
     with pytest.warns(RuntimeWarning, match=rf"did not check out \(.*{reason}.*torch.cuda.stream"):
-        first = runner.run(42, 1, _seen, public, 1)
+        first = runner.run(Stream(42, 1), _seen, public, 1)
     assert first == (1, (42, 1, CUDA))
     assert runner.switch is None and runner.fallback_reason
-    assert runner.run(43, 1, _seen, public, 1) == (1, (43, 1, CUDA))  # no second warning
+    assert runner.run(Stream(43, 1), _seen, public, 1) == (1, (43, 1, CUDA))  # no second warning
     assert public.stream_context_entries == 2
     assert _seen(public, 1) == (0, (0, 1, CUDA))
     assert order.calls == [(Stream(0, 1), Stream(s, 1), (s, 1, CUDA)) for s in (42, 43)]
@@ -235,8 +233,8 @@ class RecordedSwitch:
     def __init__(self) -> None:
         self.switches: list[tuple[int, int]] = []
 
-    def run_on_stream(self, stream, device, fn, *args):
-        self.switches.append((stream, device))
+    def run_on_stream(self, target, fn, *args):
+        self.switches.append((target.stream_id, target.device_index))
         return fn(*args)
 
     def external_stream(self, stream: int, device: int) -> Stream:
@@ -295,7 +293,8 @@ def test_gpu_run_on_stream_switches_and_restores():
     side = torch.cuda.Stream(device=TORCH_DEVICE)
     default = torch.cuda.current_stream(TORCH_DEVICE).cuda_stream
     seen = cuda_streams.run_on_stream(
-        side.cuda_stream, device, lambda: (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)
+        cuda_streams.external_stream(side.cuda_stream, device),
+        lambda: (torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream),
     )
     assert seen == (device, side.cuda_stream)
     assert torch.cuda.current_stream(TORCH_DEVICE).cuda_stream == default
