@@ -11,9 +11,13 @@ XLA's. The first call warms the function up on a side stream (lazy cuBLAS
 handles, allocator growth must not happen during capture) and captures it.
 
 The static buffers are shared by every call of this TorchFn, so the
-copy-replay-copy sequence holds a lock, and a call on another stream first
-waits for the event the previous call recorded: the previous replay's
-output copy must finish before new inputs overwrite the static buffers.
+copy-replay-copy sequence holds a lock, and a call on another stream than
+the previous call's first waits for the event that call recorded: the
+previous replay's output copy must finish before new inputs overwrite the
+static buffers. On the same stream (XLA's compute stream, call after call)
+stream order already ensures that, and no wait is queued. The event is made
+once and recorded again by each call: a wait queued on a stream holds to the
+record before it, whatever is recorded later.
 A function that cannot be captured (an op that synchronizes with the host)
 keeps running the aten graph itself, without a CUDA graph, with one warning.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -34,7 +39,8 @@ Flat = Callable[..., tuple[torch.Tensor, ...]]
 class CudaGraphCall:
     """``run`` (a graph replay or an inductor kernel) as one CUDA graph."""
 
-    def __init__(self, run: Flat, name: str):
+    def __init__(self, run: Flat, name: str, new_event: Callable[[], Any] = torch.cuda.Event):
+        """``new_event``: makes the event that orders calls on different streams."""
         self.run = run
         self.name = name
         self.lock = threading.Lock()
@@ -42,7 +48,9 @@ class CudaGraphCall:
         self.failed = False
         self.static_inputs: list[torch.Tensor] = []
         self.static_outputs: tuple[torch.Tensor, ...] = ()
-        self.done: torch.cuda.Event | None = None
+        self._new_event = new_event
+        self.done: Any = None  # recorded by the previous call ...
+        self.done_on: Any = None  # ... on this stream
 
     def _capture(self, inputs: Sequence[torch.Tensor]) -> None:
         current = torch.cuda.current_stream()
@@ -83,7 +91,7 @@ class CudaGraphCall:
                     stacklevel=3,
                 )
                 return None
-        if self.done is not None:
+        if self.done_on is not None and self.done_on is not stream:
             stream.wait_event(self.done)
         for static, t in zip(self.static_inputs, inputs):
             static.copy_(t)
@@ -93,5 +101,7 @@ class CudaGraphCall:
     def finished(self, stream: torch.cuda.Stream) -> None:
         """Record that this call's reads of the static outputs are queued on ``stream``."""
         if self.graph is not None:
-            self.done = torch.cuda.Event()
+            if self.done is None:
+                self.done = self._new_event()
             self.done.record(stream)
+            self.done_on = stream

@@ -1,0 +1,80 @@
+"""CUDA graph replay's ordering between calls (NOTE [CUDA graph replay]),
+on CPU stand-ins for streams, events and the captured graph: a call on
+another stream than the previous call's waits for that call's record of
+the event, a call on the same stream queues no wait, and one event serves
+every call. The replay itself on a GPU is checked by the graph-mode tests
+run with T2J_AD_COMPILE=graph (scripts/run_gpu_checks.sh)."""
+
+from __future__ import annotations
+
+import torch
+
+from t2j_ad.cuda_graphs import CudaGraphCall
+
+
+class RecordedEvent:
+    """Stands in for ``torch.cuda.Event``: numbers each record."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        RecordedEvent.made += 1
+        self.records: list[tuple[int, str]] = []
+
+    def record(self, stream: RecordedStream) -> None:
+        self.records.append((len(self.records) + 1, stream.name))
+
+
+class RecordedStream:
+    """Stands in for XLA's stream as ``external_stream`` wraps it: records
+    which record of an event each wait holds to."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.waits: list[tuple[int, str]] = []
+
+    def wait_event(self, event: RecordedEvent) -> None:
+        self.waits.append(event.records[-1])
+
+
+class ReplayOnCpu(CudaGraphCall):
+    """Captures nothing: the static buffers as ``_capture`` makes them, and a
+    "graph" whose replay runs the function from the static inputs into the
+    static outputs, as a CUDA graph replay does."""
+
+    def _capture(self, inputs):
+        self.static_inputs = [torch.empty_like(t) for t in inputs]
+        self.static_outputs = tuple(torch.empty_like(out) for out in self.run(*inputs))
+        call = self
+
+        class Graph:
+            def replay(self) -> None:
+                for static, out in zip(call.static_outputs, call.run(*call.static_inputs)):
+                    static.copy_(out)
+
+        self.graph = Graph()
+
+
+def _call(graph: CudaGraphCall, stream: RecordedStream, x: torch.Tensor) -> torch.Tensor:
+    """One call as the runner makes it (``Runner._replay_cuda_graph``)."""
+    out = torch.empty_like(x)
+    with graph.lock:
+        (result,) = graph(stream, x)
+        out.copy_(result)
+        graph.finished(stream)
+    return out
+
+
+def test_replays_wait_only_for_a_previous_call_on_another_stream():
+    RecordedEvent.made = 0
+    graph = ReplayOnCpu(lambda x: (torch.sin(x) * 2,), "sin2", new_event=RecordedEvent)
+    a, b = RecordedStream("a"), RecordedStream("b")
+    for i, stream in enumerate((a, a, b, b, a)):
+        x = torch.linspace(-1.0, 1.0, 8) + i
+        torch.testing.assert_close(_call(graph, stream, x), torch.sin(x) * 2)
+    # Calls 1-2 on a, 3-4 on b, 5 on a: the third waits for the second's
+    # record (on a), the fifth for the fourth's (on b); no other waits.
+    assert a.waits == [(4, "b")]
+    assert b.waits == [(2, "a")]
+    assert RecordedEvent.made == 1
+    assert graph.done.records == [(1, "a"), (2, "a"), (3, "b"), (4, "b"), (5, "a")]
