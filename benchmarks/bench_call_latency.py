@@ -210,7 +210,7 @@ def gpu_pieces(repeats: int) -> str:
     switch = cuda_streams._runner.switch
     if switch is not None:
         ids = (wrapped.stream_id, wrapped.device_index, wrapped.device_type)
-        contenders["t2j_ad stream switch alone"] = lambda: switch.run(ids, lambda: None)
+        contenders["t2j_ad stream switch alone"] = lambda: switch.run(ids, lambda was_current: None)
     steps = time_calls(contenders, warmup=200, repeats=repeats)
     reason = cuda_streams._runner.fallback_reason
     how = f"the context manager (the direct switch did not check out: {reason})" if reason else "the direct switch"

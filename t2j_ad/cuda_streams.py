@@ -23,9 +23,11 @@ thread's own device last, which makes that device current again.
 
 Those functions are PyTorch internals (``torch._C._cuda_getDevice``,
 ``_cuda_getCurrentStream``, ``_cuda_setStream``). The first switch in the
-process therefore checks them against the public API on a no-op: inside, the
-current stream and device must be XLA's; afterwards, the thread's device and
-both devices' streams must be what they were. If a function is missing,
+process therefore checks them against the public API on a no-op: the stream
+the switch saved for the call's device must be the one current there (the
+ordering below takes the caller's stream from it); inside, the current
+stream and device must be XLA's; afterwards, the thread's device and both
+devices' streams must be what they were. If a function is missing,
 takes other arguments, or any check fails, every call uses
 ``torch.cuda.stream`` instead, with one warning, and stays correct.
 
@@ -85,14 +87,16 @@ class DirectSwitch:
         self.set_stream = cuda._cuda_setStream  # (stream_id, device_index, device_type)
 
     def run(self, ids: tuple[int, int, int], fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` with the stream ``ids`` current; the streams and the
-        device current before are current again afterwards."""
+        """``fn(was_current, *args)`` with the stream ``ids`` current, where
+        ``was_current`` is the stream (as ids) that was current on ``ids``'
+        device before; the streams and the device current before are current
+        again afterwards."""
         here = self.get_device()
         saved_here = self.get_stream(here)
         saved_there = self.get_stream(ids[1]) if ids[1] != here else None
         self.set_stream(*ids)
         try:
-            return fn(*args)
+            return fn(saved_here if saved_there is None else saved_there, *args)
         finally:
             if saved_there is not None:
                 self.set_stream(*saved_there)
@@ -115,12 +119,15 @@ def check_direct_switch(switch: DirectSwitch, target: Any, cuda: Any = torch.cud
     saved = [cuda.current_stream(d) for d in dict.fromkeys((device, here))]
     expected = (device, target.cuda_stream)
     try:
-        inside = switch.run(
-            _stream_ids(target), lambda: (cuda.current_device(), cuda.current_stream(device).cuda_stream)
+        was_current, inside = switch.run(
+            _stream_ids(target),
+            lambda was_current: (was_current, (cuda.current_device(), cuda.current_stream(device).cuda_stream)),
         )
         after = (cuda.current_device(), [cuda.current_stream(s.device_index).cuda_stream for s in saved])
         before = (here, [s.cuda_stream for s in saved])
-        if inside != expected:
+        if was_current != _stream_ids(saved[0]):
+            reason = f"the stream it saved for device {device} was {was_current}, not {_stream_ids(saved[0])}"
+        elif inside != expected:
             reason = f"inside, the current (device, stream) was {inside}, not {expected}"
         elif after != before:
             reason = f"afterwards, the device and streams were {after}, not {before}"
@@ -215,18 +222,20 @@ class StreamRunner:
 
     def run(self, target: Any, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` with ``target`` (XLA's stream, wrapped) current."""
-        device = target.device_index
         switch = self.switch
         if switch is None and not self._checked:
             self._check(target)
             switch = self.switch
-        order = self._order
         if switch is not None:
-            caller = order.stream(switch.get_stream(device))
-            return switch.run(_stream_ids(target), order.run, caller, target, fn, *args)
-        caller = self._cuda.current_stream(device)
+            return switch.run(_stream_ids(target), self._ordered, target, fn, *args)
+        caller = self._cuda.current_stream(target.device_index)
         with self._cuda.stream(target):
-            return order.run(caller, target, fn, *args)
+            return self._order.run(caller, target, fn, *args)
+
+    def _ordered(self, was_current: tuple[int, int, int], target: Any, fn: Callable[..., T], *args: Any) -> T:
+        # The caller's stream as the direct switch saved it: no second lookup.
+        order = self._order
+        return order.run(order.stream(was_current), target, fn, *args)
 
 
 _runner = StreamRunner()

@@ -107,6 +107,13 @@ class KeepsDevice(CudaState):
         self.current[device_index] = (stream_id, device_index, device_type)
 
 
+class IgnoresDevice(CudaState):
+    """A PyTorch whose ``_cuda_getCurrentStream`` would answer for the current device, whatever it is asked."""
+
+    def _cuda_getCurrentStream(self, device: int) -> tuple[int, int, int]:
+        return self.current[self.device]
+
+
 class NoStreamFunctions:
     """A PyTorch without the C functions (a CPU build, or a renamed API)."""
 
@@ -122,7 +129,8 @@ def test_direct_switch_runs_on_the_stream_and_restores_both_devices(here):
     state.device = here
     before = dict(state.current)
     xla = Stream(stream_id=42, device_index=1)
-    inside = DirectSwitch(state).run((42, 1, CUDA), _seen, state, 1)
+    was_current, inside = DirectSwitch(state).run((42, 1, CUDA), lambda was: (was, _seen(state, 1)))
+    assert was_current == before[1]
     assert inside == (1, (42, 1, CUDA))
     assert state.device == here
     assert state.current == before
@@ -133,7 +141,7 @@ def test_direct_switch_restores_after_an_exception():
     state = CudaState()
     before = dict(state.current)
 
-    def fail() -> None:
+    def fail(was_current) -> None:
         assert state.current[1] == (42, 1, CUDA)
         raise ValueError("from the PyTorch function")
 
@@ -186,9 +194,10 @@ def test_runner_uses_the_direct_switch_once_it_checks_out(recwarn):
     [
         (PackedStreams(), r"TypeError"),
         (KeepsDevice(), r"inside, the current \(device, stream\) was \(0, "),
+        (IgnoresDevice(), r"the stream it saved for device 1 was \(0, 0, 1\), not \(0, 1, 1\)"),
         (NoStreamFunctions(), r"lacks _cuda_getDevice"),
     ],
-    ids=["packed-streams", "keeps-device", "no-functions"],
+    ids=["packed-streams", "keeps-device", "ignores-device", "no-functions"],
 )
 def test_runner_falls_back_to_the_stream_context(state, reason):
     runner, order = _runner_on(state)
