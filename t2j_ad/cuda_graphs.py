@@ -7,8 +7,11 @@ call new buffers. So the graph is captured over static input tensors of its
 own (in a private memory pool), and each call copies XLA's inputs into them,
 replays the graph, and copies the graph's static outputs into XLA's output
 buffers -- all three on the current stream, which the runner has set to
-XLA's. The first call warms the function up on a side stream (lazy cuBLAS
-handles, allocator growth must not happen during capture) and captures it.
+XLA's. The first call warms the function up on a side stream of the call's
+device (lazy cuBLAS handles, allocator growth must not happen during
+capture) and captures it on that stream. The runner replays only once a
+call has shown that the function leaves its inputs alone: a replay reads
+copies, so it could not see a write into XLA's buffers to refuse it.
 
 The static buffers are shared by every call of this TorchFn, so the
 copy-replay-copy sequence holds a lock, and a call on another stream than
@@ -65,7 +68,13 @@ class CudaGraphCall:
         graph = torch.cuda.CUDAGraph()
         # thread_local: XLA's own threads keep launching work while this one
         # captures; "global" would make their CUDA calls fail meanwhile.
-        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local"):
+        # stream=side: torch.cuda.graph's default capture stream is made once
+        # per process, on the device current then; entering it makes that
+        # device current, so another GPU's kernels would run uncaptured and
+        # every replay would hand back the capture's outputs.
+        with torch.cuda.graph(
+            graph, pool=torch.cuda.graph_pool_handle(), stream=side, capture_error_mode="thread_local"
+        ):
             outs = self.run(*self.static_inputs)
         self.static_outputs = tuple(outs)
         self.graph = graph

@@ -36,7 +36,8 @@ gone from the graph: what is left is the aten ops they issued.
 - Constants the function closes over (a module's buffers) are held by
   reference, as in eager: in-place updates to them are seen.
 - Artifacts live on the ``BaseFn``, keyed by the transform tuple and the
-  device, so equal TorchFns share them; they die with the function
+  device (NOTE [a compiled function on several devices] in runtime.py), so
+  equal TorchFns share them; they die with the function
   (``t2j_ad.clear_caches()`` drops the signature cache that holds it).
 - On CUDA the graph (or the inductor kernel) is captured once into a CUDA
   graph and replayed on XLA's stream (cuda_graphs.py).

@@ -7,6 +7,7 @@ XLA's input and output buffers as torch tensors without copying and call
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import traceback
@@ -175,6 +176,19 @@ class _Runner:
         # CPU-only PyTorch the only other device is meta, which copy_ refuses
         # anyway, so only a CUDA build pays for comparing devices per output.
         self.other_devices = torch.cuda.is_available()
+        # NOTE [a compiled function on several devices]
+        # A graph holds its device's constants (a module's buffers, the device
+        # of every factory op) and a CUDA graph its device's buffers, so a
+        # compiled function traces and captures once per device. This runner
+        # keeps the CPU's; a GPU call goes to a runner of its own device (a
+        # copy of this one as it is now, before any call: ``_on_device``). One
+        # TorchFn meets several devices in a pmap or sharded jit over GPUs, and
+        # when one function is called on CPU and GPU arrays.
+        self.per_device: dict[int, _Runner] | None = None
+        self._unused: _Runner | None = None
+        if self.compile != "eager" and self.other_devices:
+            self._unused = copy.copy(self)  # copied while its per_device is None
+            self.per_device = {}
 
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
         # The hot path of every call (microseconds matter: see
@@ -261,13 +275,30 @@ class _Runner:
 
     def _on_stream(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
         # PyTorch must run on XLA's stream, for the call and the copies.
-        target = external_stream(stream, _call_device(inputs, outputs))
-        run_on_stream(target, self._on_current_stream, target, inputs, outputs)
+        device = _call_device(inputs, outputs)
+        target = external_stream(stream, device)
+        runner = self if self.per_device is None else self._on_device(device)
+        run_on_stream(target, runner._on_current_stream, target, inputs, outputs)
+
+    def _on_device(self, device: int) -> _Runner:
+        """The runner of GPU ``device`` (NOTE [a compiled function on several devices])."""
+        runner = self.per_device.get(device)
+        if runner is None:
+            fresh = copy.copy(self._unused)
+            fresh.call = fresh._first_compiled_call  # bound to the copy, not to this runner
+            runner = self.per_device.setdefault(device, fresh)
+        return runner
 
     def _on_current_stream(
         self, target: torch.cuda.Stream, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
     ) -> None:
-        if self.cuda_graph is None or not self._replay_cuda_graph(inputs, outputs, target):
+        # A replay reads copies of the inputs, so the eager check must first
+        # have seen the function leave them alone (NOTE [CUDA graph replay]).
+        if (
+            self.cuda_graph is None
+            or not self.base.mutation_checked
+            or not self._replay_cuda_graph(inputs, outputs, target)
+        ):
             self(inputs, outputs)
 
     def _first_compiled_call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -2,10 +2,12 @@
 on CPU stand-ins for streams, events and the captured graph: a call on
 another stream than the previous call's waits for that call's record of
 the event, a call on the same stream queues no wait, and one event serves
-every call. The replay itself on a GPU is checked by the graph-mode tests
+every call; the capture runs on a stream of the call's device. The replay itself on a GPU is checked by the graph-mode tests
 run with T2J_AD_COMPILE=graph (scripts/run_gpu_checks.sh)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -78,3 +80,49 @@ def test_replays_wait_only_for_a_previous_call_on_another_stream():
     assert b.waits == [(2, "a")]
     assert RecordedEvent.made == 1
     assert graph.done.records == [(1, "a"), (2, "a"), (3, "b"), (4, "b"), (5, "a")]
+
+
+class DeviceStream:
+    """Stands in for a ``torch.cuda.Stream``: its device and what it waited for."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.waited: list[DeviceStream] = []
+
+    def wait_stream(self, other: DeviceStream) -> None:
+        self.waited.append(other)
+
+
+def test_capture_runs_on_a_side_stream_of_the_calls_device(monkeypatch):
+    # torch.cuda.graph's own default capture stream lives on whichever device
+    # was current when it was first made; capturing another GPU's call there
+    # would record none of its kernels.
+    xla = DeviceStream("cuda:1")  # the call's (current) stream
+    made: list[DeviceStream] = []
+    captures: list[tuple[DeviceStream, str]] = []
+
+    def new_stream(device: str) -> DeviceStream:
+        made.append(DeviceStream(device))
+        return made[-1]
+
+    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        captures.append((stream, capture_error_mode))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: xla)
+    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+
+    call = CudaGraphCall(lambda x: (torch.sin(x) * 2,), "sin2", new_event=RecordedEvent)
+    x = torch.linspace(-1.0, 1.0, 8)
+    call._capture([x])
+    (side,) = made
+    assert side.device == "cuda:1"
+    assert captures == [(side, "thread_local")]
+    # The warm-up on the side stream follows XLA's queued work, and XLA's stream follows it.
+    assert side.waited == [xla] and xla.waited == [side]
+    torch.testing.assert_close(call.static_inputs[0], x)
+    torch.testing.assert_close(call.static_outputs[0], torch.sin(x) * 2)

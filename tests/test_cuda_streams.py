@@ -24,8 +24,9 @@ import torch
 from conftest import TORCH_DEVICE, assert_tree_allclose, cuda_only
 
 import t2j_ad
-from t2j_ad import cuda_streams, runtime
+from t2j_ad import cuda_streams, graph_mode, runtime
 from t2j_ad.cuda_streams import DirectSwitch, StreamRunner, check_direct_switch
+from t2j_ad.runtime import _Runner
 from t2j_ad.torch_fn import Aval, BaseFn, TorchFn
 
 CUDA = 1  # c10::DeviceType::CUDA
@@ -215,7 +216,7 @@ def test_runner_falls_back_to_the_stream_context(state, reason):
 # ------------------------------------- the runner's path for a stream call
 
 
-def _sin2_fn() -> TorchFn:
+def _sin2_fn(compile: str = "eager") -> TorchFn:
     def sin2(x: torch.Tensor) -> torch.Tensor:
         return torch.sin(x) * 2
 
@@ -232,6 +233,7 @@ def _sin2_fn() -> TorchFn:
             mutation_checked=True,
             direct=sin2,
             direct_single=True,
+            compile=compile,
         )
     )
 
@@ -291,6 +293,87 @@ def test_a_cuda_graph_replays_on_xlas_stream(recorded):
     runtime.run_into(fun, [x], [out], stream=1234)
     assert graph.streams == [Stream(1234, x.get_device())]
     torch.testing.assert_close(out, torch.sin(x) * 2)
+
+
+def _add_one_fn(in_place: bool) -> TorchFn:
+    def add_one(x: torch.Tensor) -> torch.Tensor:
+        return x.add_(1.0) if in_place else x + 1.0
+
+    aval = Aval((8,), np.dtype(np.float32))
+    return TorchFn.of(
+        BaseFn(
+            lambda x: (add_one(x),),
+            name="add_one",
+            vmap_method="auto",
+            in_avals=(aval,),
+            out_avals=(aval,),
+            out_names=("add_one: output",),
+            torch_out_dtypes=(torch.float32,),
+            mutation_checked=False,
+            direct=add_one,
+            direct_single=True,
+        )
+    )
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["mutating", "pure"])
+def test_a_cuda_graph_replays_only_once_a_call_left_the_inputs_alone(recorded, in_place):
+    # A replay reads copies of XLA's buffers, so it cannot see a write into
+    # them; a mutating function must be refused on every call, as on the CPU.
+    fun = _add_one_fn(in_place)
+    graph = RecordedGraph(lambda x: (x + 1.0,))
+    runtime.runner_for(fun).cuda_graph = graph
+    x = torch.zeros(8)
+    for _ in range(3):
+        out = torch.empty(8)
+        if in_place:
+            with pytest.raises(runtime.InputMutationError, match=r"mutated input\(s\) \[0\]"):
+                runtime.run_into(fun, [x], [out], stream=1234)
+        else:
+            runtime.run_into(fun, [x], [out], stream=1234)
+            torch.testing.assert_close(out, torch.ones(8))
+    torch.testing.assert_close(x, torch.zeros(8))
+    # Mutating: never replayed. Pure: the first call checks, the next two replay.
+    assert len(graph.streams) == (0 if in_place else 2)
+
+
+def test_gpu_calls_of_a_compiled_function_trace_once_per_device(recorded, monkeypatch):
+    # NOTE [a compiled function on several devices]: a graph traced for one
+    # GPU holds that GPU's constants, so a call on another GPU traces its own.
+    # Two GPUs stand in here: the runner of a CUDA build (is_available), calls
+    # told they run on GPU 0 or 1.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fun = _sin2_fn(compile="graph")
+    runner = runtime.runner_for(fun)
+    traced: list[str] = []  # the mode of each trace
+    artifact_for = graph_mode.artifact_for
+
+    def recording_artifact_for(mode, *args):
+        traced.append(mode)
+        return artifact_for(mode, *args)
+
+    monkeypatch.setattr(graph_mode, "artifact_for", recording_artifact_for)
+    devices = [0, 1, 0, 1, 1]
+    said = iter(devices)
+    monkeypatch.setattr(runtime, "_call_device", lambda inputs, outputs: next(said))
+    for i in range(len(devices)):
+        x = torch.linspace(-1.0, 1.0, 8) + i
+        out = torch.empty(8)
+        runtime.run_into(fun, [x], [out], stream=1234)
+        torch.testing.assert_close(out, torch.sin(x) * 2)
+    assert recorded.switches == [(1234, d) for d in devices]
+    assert sorted(runner.per_device) == [0, 1]
+    gpu0, gpu1 = runner.per_device[0], runner.per_device[1]
+    assert traced == ["graph", "graph"]  # once per device, at its first call
+    # Each device's runner replays its own trace; the CPU's is still untraced.
+    assert gpu0.call.__self__ is not runner and gpu0.call.__func__ is not _Runner._first_compiled_call
+    assert gpu1.call.__func__ is not _Runner._first_compiled_call
+    assert runner.call.__self__ is runner and runner.call.__func__ is _Runner._first_compiled_call
+    x = torch.linspace(-1.0, 1.0, 8)
+    out = torch.empty(8)
+    runtime.run_into(fun, [x], [out])  # a CPU call: traced by this runner itself
+    torch.testing.assert_close(out, torch.sin(x) * 2)
+    assert len(traced) == 3 and runner.call.__func__ is not _Runner._first_compiled_call
 
 
 # ------------------------------------------------------------ on a GPU
