@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import registration  # noqa: F401 - registers torch_call's rules before any call
-from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, torch_dtype
+from .convert import UnsupportedDtypeError, call_device, canonical_jax_dtype, jax_dtype, torch_device, torch_dtype
 from . import graph_mode
 from .graph_mode import resolve_compile_mode
 from .inference import infer_outputs
@@ -184,7 +184,7 @@ class JaxifiedFunction:
         flat.flat_tuple = 0
         return flat
 
-    def _resolve(self, in_tree: Any, in_avals: tuple[Aval, ...]) -> _Signature:
+    def _resolve(self, in_tree: Any, in_avals: tuple[Aval, ...], arrays: list[jax.Array]) -> _Signature:
         check_environment()
         raw = self._raw_fn(in_tree)
         flat = self._flat_fn(raw)
@@ -208,7 +208,8 @@ class JaxifiedFunction:
                     raise TypeError(f"jaxify: {where}: {err}") from None
             mutation_checked = False
         else:
-            inferred = infer_outputs(raw, in_avals, self.name)
+            # NOTE [inference on the call's device] in inference.py
+            inferred = infer_outputs(raw, in_avals, self.name, torch_device(call_device(arrays)))
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred, is_leaf=_is_output_leaf)
             declared = []
             for path, leaf in with_paths:
@@ -290,7 +291,7 @@ class JaxifiedFunction:
             with self._lock:
                 entry = self._cache.get(key)
                 if entry is None:
-                    entry = self._resolve(in_tree, in_avals)
+                    entry = self._resolve(in_tree, in_avals, arrays)
                     self._cache[key] = entry
         return entry, arrays
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -105,6 +106,30 @@ def single_device(x: Any) -> tuple[jax.Array, jax.Device]:
         )
     (device,) = devices
     return x, device
+
+
+def default_device() -> jax.Device:
+    """JAX's default device as it stands here: what ``jax.default_device(...)``
+    or ``jax_default_device`` set (a device, or a platform name), else the
+    first device of the default backend."""
+    chosen = jax.config.jax_default_device
+    if isinstance(chosen, jax.Device):
+        return chosen
+    return jax.devices(chosen)[0] if chosen else jax.devices()[0]
+
+
+def call_device(arrays: Sequence[Any]) -> jax.Device:
+    """The device a call on ``arrays`` runs on: the first concrete array's
+    (the lowest id, for one over several devices); JAX's default device when
+    every array is traced (under ``jax.jit``, ``grad`` or ``vmap``), which is
+    where jit puts a computation on uncommitted arrays."""
+    for a in arrays:
+        try:
+            devices = a.devices()
+        except jax.errors.ConcretizationTypeError:  # a tracer holds no device
+            continue
+        return min(devices, key=lambda d: d.id)
+    return default_device()
 
 
 def torch_device(device: jax.Device) -> torch.device:

@@ -37,7 +37,7 @@ import jax
 import torch
 
 from .api import JaxifiedFunction, check_batch_argnums
-from .convert import copy_to_jax, torch_device
+from .convert import copy_to_jax, default_device, torch_device
 
 
 class _BuffersByDevice:
@@ -80,7 +80,7 @@ def _first_device(arrays: Any, device: Any) -> jax.Device:
         return min(a.devices(), key=lambda d: d.id)
     if isinstance(device, jax.sharding.Sharding):
         return min(device.device_set, key=lambda d: d.id)
-    return device if isinstance(device, jax.Device) else jax.devices()[0]
+    return device if isinstance(device, jax.Device) else default_device()
 
 
 def _check_device(device: Any) -> None:

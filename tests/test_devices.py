@@ -1,7 +1,9 @@
-"""Devices: where jaxify_module's parameters and buffers live, outputs made on
-another device than the call's, and conversions that keep each leaf's device.
+"""Devices: where jaxify_module's parameters and buffers live, where output
+shapes are inferred, outputs made on another device than the call's, and
+conversions that keep each leaf's device.
 
-See NOTE [a module's devices] in t2j_ad/module.py. On a CPU-only machine the
+See NOTE [a module's devices] in t2j_ad/module.py and NOTE [inference on the
+call's device] in t2j_ad/inference.py. On a CPU-only machine the
 second device that exists is PyTorch's ``meta``; the CUDA tests need a GPU.
 """
 
@@ -12,11 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import TORCH_DEVICE, assert_tree_allclose, cuda_only
+from conftest import TORCH_DEVICE, assert_tree_allclose, cuda_only, to_torch
 
 import t2j_ad
 from t2j_ad import compat
-from t2j_ad.convert import ArrayConversionError, copy_to_jax, copy_to_torch, j2t
+from t2j_ad.convert import ArrayConversionError, copy_to_jax, copy_to_torch, j2t, torch_device
+from t2j_ad.inference import infer_outputs
+from t2j_ad.torch_fn import Aval
 
 
 class Shift(torch.nn.Module):
@@ -111,6 +115,76 @@ def test_buffers_follow_the_call(compile):
     assert_tree_allclose(jax.jit(apply)(params, _x()), _shift_jax(params, shift, _x()))
     grads = jax.jit(jax.grad(lambda p: apply(p, _x()).sum()))(params)
     assert_tree_allclose(grads, jax.grad(lambda p: _shift_jax(p, shift, _x()).sum())(params))
+
+
+# ------------------------------------------------------- shape inference
+
+
+def _scaled_by(w: torch.Tensor, calls: list[str]):
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.device.type)
+        return torch.tanh(x * w)
+
+    return scaled
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_function_closing_over_a_tensor_infers_where_the_call_runs(compile):
+    # NOTE [inference on the call's device]: meta inputs cannot meet the real
+    # weight, so inference takes the call on zeros, and CPU zeros would fail
+    # against a weight on the GPU.
+    w = np.linspace(0.5, 2.0, 5, dtype=np.float32)
+    calls: list[str] = []
+    f = t2j_ad.jaxify(_scaled_by(to_torch(w), calls), compile=compile)
+    x = jnp.linspace(-1.0, 1.0, 15, dtype=jnp.float32).reshape(3, 5)
+
+    def reference(x: jax.Array) -> jax.Array:
+        return jnp.tanh(x * w)
+
+    assert_tree_allclose(jax.jit(f)(x), reference(x))
+    assert calls[:2] == ["meta", TORCH_DEVICE.type]
+    assert_tree_allclose(jax.jit(jax.grad(lambda x: f(x).sum()))(x), jax.grad(lambda x: reference(x).sum())(x))
+    assert_tree_allclose(jax.vmap(f)(x), reference(x))  # rows: a new signature, inferred afresh
+
+
+def _avals(*shapes: tuple[int, ...]) -> tuple[Aval, ...]:
+    return tuple(Aval(shape, np.dtype(np.float32)) for shape in shapes)
+
+
+# A device this PyTorch cannot make tensors on, CPU build or CUDA build alike.
+_UNUSABLE = torch.device("xpu")
+
+
+def test_inference_tries_the_cpu_when_the_calls_device_fails():
+    # Under jax.jit the call's device is JAX's default device, a guess for a
+    # call on arrays committed elsewhere: a function closing over CPU tensors
+    # must still infer when the guess fails.
+    calls: list[str] = []
+    (out,) = infer_outputs(lambda x: (_scaled_by(torch.ones(3), calls)(x),), _avals((3,)), "f", _UNUSABLE)
+    assert out.shape == (3,) and out.dtype == torch.float32
+    assert calls == ["meta", "cpu"]
+
+
+def test_inference_reports_the_calls_devices_error():
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError(f"broken on {x.device.type}")
+
+    with pytest.raises(t2j_ad.TorchCallError, match=r"ValueError: broken on cpu\n.*on zeros on cpu; pass output_shapes="):
+        infer_outputs(broken, _avals((3,)), "broken", torch.device("cpu"))
+    with pytest.raises(t2j_ad.TorchCallError, match=r"\(while inferring output shapes on zeros on xpu;"):
+        infer_outputs(broken, _avals((3,)), "broken", _UNUSABLE)
+
+
+class _GpuDevice:
+    """Stands in for a JAX GPU device: what torch_device reads."""
+
+    platform = "gpu"
+    local_hardware_id = 1
+
+
+def test_torch_device_of_jax_devices():
+    assert torch_device(jax.devices("cpu")[0]) == torch.device("cpu")
+    assert torch_device(_GpuDevice()) == torch.device("cuda", 1)
 
 
 # --------------------------------------------- outputs on another device

@@ -1,6 +1,8 @@
-"""jaxify_module's ``device=`` and j2t on several (simulated) devices.
+"""jaxify_module's ``device=``, the device shapes are inferred for, and j2t
+on several (simulated) devices.
 
-See NOTE [a module's devices] in t2j_ad/module.py.
+See NOTE [a module's devices] in t2j_ad/module.py and NOTE [inference on the
+call's device] in t2j_ad/inference.py.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import t2j_ad
-from t2j_ad.convert import ArrayConversionError, j2t
+from t2j_ad import api
+from t2j_ad.convert import ArrayConversionError, call_device, default_device, j2t
 from tests.conftest import assert_tree_allclose
 
 
@@ -53,3 +56,47 @@ def test_j2t_refuses_an_array_on_several_devices():
     shards = [j2t(s.data) for s in x.addressable_shards]  # the fix the message names
     assert torch.equal(torch.cat(shards), torch.arange(8.0))
     assert issubclass(ArrayConversionError, TypeError)
+
+
+def test_the_calls_device_is_a_concrete_arrays_else_jaxs_default():
+    devices = jax.devices()
+    assert call_device([jax.device_put(jnp.ones(3), devices[3])]) == devices[3]
+    mesh = jax.make_mesh((4,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
+    assert call_device([jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("b")))]) == devices[0]
+    seen = []
+
+    @jax.jit
+    def traced(x: jax.Array) -> jax.Array:
+        seen.append(call_device([x]))  # a tracer: no device of its own
+        return x
+
+    traced(jnp.ones(3))
+    with jax.default_device(devices[2]):
+        assert default_device() == devices[2]
+        traced(jnp.ones(2))  # a new shape: traced again
+    assert seen == [devices[0], devices[2]]
+    with jax.default_device("cpu"):  # a platform name
+        assert default_device() == jax.devices("cpu")[0]
+
+
+def test_inference_is_told_the_calls_device(monkeypatch):
+    told = []
+    real = api.torch_device
+    monkeypatch.setattr(api, "torch_device", lambda device: told.append(device) or real(device))
+    w = torch.arange(3.0)
+    f = t2j_ad.jaxify(lambda x: x * w)  # closes over w: inferred on zeros
+    devices = jax.devices()
+    x = jax.device_put(jnp.ones(3), devices[3])
+    assert_tree_allclose(f(x), jnp.arange(3.0))
+    with jax.default_device(devices[2]):
+        assert_tree_allclose(jax.jit(f)(jnp.ones((2, 3))), jnp.tile(jnp.arange(3.0), (2, 1)))
+    assert told == [devices[3], devices[2]]
+
+
+def test_params_follow_jaxs_default_device():
+    device = jax.devices()[1]
+    with jax.default_device(device):
+        apply, params = t2j_ad.jaxify_module(_module())
+    assert all(p.devices() == {device} for p in params.values())
+    x = jax.device_put(jnp.ones((4, 3)), device)
+    assert_tree_allclose(jax.jit(apply)(params, x), _linear(params, x))
