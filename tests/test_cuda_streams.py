@@ -216,26 +216,28 @@ def test_runner_falls_back_to_the_stream_context(state, reason):
 # ------------------------------------- the runner's path for a stream call
 
 
-def _sin2_fn(compile: str = "eager") -> TorchFn:
-    def sin2(x: torch.Tensor) -> torch.Tensor:
-        return torch.sin(x) * 2
-
+def _flat_fn(fn, *, mutation_checked: bool = True, compile: str = "eager") -> TorchFn:
+    """A TorchFn of ``fn``, one float32 tensor of 8 in and out, called directly."""
     aval = Aval((8,), np.dtype(np.float32))
     return TorchFn.of(
         BaseFn(
-            lambda x: (sin2(x),),
-            name="sin2",
+            lambda x: (fn(x),),
+            name=fn.__name__,
             vmap_method="auto",
             in_avals=(aval,),
             out_avals=(aval,),
-            out_names=("sin2: output",),
+            out_names=(f"{fn.__name__}: output",),
             torch_out_dtypes=(torch.float32,),
-            mutation_checked=True,
-            direct=sin2,
+            mutation_checked=mutation_checked,
+            direct=fn,
             direct_single=True,
             compile=compile,
         )
     )
+
+
+def sin2(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) * 2
 
 
 class RecordedSwitch:
@@ -279,13 +281,13 @@ def recorded(monkeypatch) -> RecordedSwitch:
 def test_a_stream_call_runs_through_the_switch(recorded):
     x = torch.linspace(-1.0, 1.0, 8)
     out = torch.empty(8)
-    runtime.run_into(_sin2_fn(), [x], [out], stream=1234)
+    runtime.run_into(_flat_fn(sin2), [x], [out], stream=1234)
     assert recorded.switches == [(1234, x.get_device())]
     torch.testing.assert_close(out, torch.sin(x) * 2)
 
 
 def test_a_cuda_graph_replays_on_xlas_stream(recorded):
-    fun = _sin2_fn()
+    fun = _flat_fn(sin2)
     graph = RecordedGraph(lambda x: (torch.sin(x) * 2,))
     runtime.runner_for(fun).cuda_graph = graph
     x = torch.linspace(-1.0, 1.0, 8)
@@ -295,32 +297,18 @@ def test_a_cuda_graph_replays_on_xlas_stream(recorded):
     torch.testing.assert_close(out, torch.sin(x) * 2)
 
 
-def _add_one_fn(in_place: bool) -> TorchFn:
+def _add_one(in_place: bool):
     def add_one(x: torch.Tensor) -> torch.Tensor:
         return x.add_(1.0) if in_place else x + 1.0
 
-    aval = Aval((8,), np.dtype(np.float32))
-    return TorchFn.of(
-        BaseFn(
-            lambda x: (add_one(x),),
-            name="add_one",
-            vmap_method="auto",
-            in_avals=(aval,),
-            out_avals=(aval,),
-            out_names=("add_one: output",),
-            torch_out_dtypes=(torch.float32,),
-            mutation_checked=False,
-            direct=add_one,
-            direct_single=True,
-        )
-    )
+    return add_one
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["mutating", "pure"])
 def test_a_cuda_graph_replays_only_once_a_call_left_the_inputs_alone(recorded, in_place):
     # A replay reads copies of XLA's buffers, so it cannot see a write into
     # them; a mutating function must be refused on every call, as on the CPU.
-    fun = _add_one_fn(in_place)
+    fun = _flat_fn(_add_one(in_place), mutation_checked=False)
     graph = RecordedGraph(lambda x: (x + 1.0,))
     runtime.runner_for(fun).cuda_graph = graph
     x = torch.zeros(8)
@@ -343,7 +331,7 @@ def test_gpu_calls_of_a_compiled_function_trace_once_per_device(recorded, monkey
     # Two GPUs stand in here: the runner of a CUDA build (is_available), calls
     # told they run on GPU 0 or 1.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    fun = _sin2_fn(compile="graph")
+    fun = _flat_fn(sin2, compile="graph")
     runner = runtime.runner_for(fun)
     traced: list[str] = []  # the mode of each trace
     artifact_for = graph_mode.artifact_for
