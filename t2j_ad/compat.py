@@ -55,6 +55,7 @@ from .convert import (
     canonical_jax_dtype,
     copy_to_jax,
     copy_to_torch,
+    jax_device,
     jax_dtype,
     torch_dtype,
 )
@@ -117,19 +118,13 @@ def _check_via(via: str) -> None:
         raise ValueError(f"via must be one of {_VIAS}, got {via!r}.")
 
 
-def _jax_device(device: torch.device) -> jax.Device:
-    if device.type == "cuda":
-        return jax.local_devices(backend="gpu")[device.index or 0]
-    return jax.local_devices(backend="cpu")[0]
-
-
 def t2j(x: torch.Tensor, via: str = "dlpack") -> jax.Array:
     """A JAX array from a torch tensor, on the tensor's device: shared memory
     (``via="dlpack"``) or a copy through host memory (``"cpu"``, ``"host"``)."""
     _check_via(via)
     if via == "dlpack":
         return _t2j(x)
-    return copy_to_jax(x, _jax_device(x.device))
+    return copy_to_jax(x, jax_device(x.device))
 
 
 def j2t(x: jax.Array, via: str = "dlpack") -> torch.Tensor:

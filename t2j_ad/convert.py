@@ -139,6 +139,28 @@ def torch_device(device: jax.Device) -> torch.device:
     return torch.device("cpu")
 
 
+def jax_device(device: torch.device) -> jax.Device:
+    """The local JAX device for a torch device, as ``torch_device`` maps them:
+    the GPU whose ``local_hardware_id`` is the CUDA index (not a position in
+    ``jax.local_devices()``, which may hold only some GPUs), else JAX's CPU.
+
+    Raises:
+        ValueError: JAX has no local GPU with that CUDA index.
+    """
+    if device.type != "cuda":
+        return jax.local_devices(backend="cpu")[0]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    gpus = jax.local_devices(backend="gpu")
+    for candidate in gpus:
+        if candidate.local_hardware_id == index:
+            return candidate
+    raise ValueError(
+        f"torch device {device} has no JAX device: JAX's local GPUs have CUDA indices "
+        f"{[d.local_hardware_id for d in gpus]}. Move the tensor to one of those (.to('cuda:N')), "
+        f"or let JAX see that GPU (CUDA_VISIBLE_DEVICES, jax.distributed.initialize(local_device_ids=...))."
+    )
+
+
 def j2t(x: Any) -> torch.Tensor:
     """A torch tensor sharing memory with the JAX array ``x`` (via DLPack),
     on ``x``'s device.

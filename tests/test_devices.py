@@ -18,7 +18,7 @@ from conftest import TORCH_DEVICE, assert_tree_allclose, cuda_only, to_torch
 
 import t2j_ad
 from t2j_ad import compat
-from t2j_ad.convert import ArrayConversionError, copy_to_jax, copy_to_torch, j2t, torch_device
+from t2j_ad.convert import ArrayConversionError, copy_to_jax, copy_to_torch, j2t, jax_device, torch_device
 from t2j_ad.inference import infer_outputs
 from t2j_ad.torch_fn import Aval
 
@@ -176,15 +176,36 @@ def test_inference_reports_the_calls_devices_error():
 
 
 class _GpuDevice:
-    """Stands in for a JAX GPU device: what torch_device reads."""
+    """Stands in for a JAX GPU device: what torch_device and jax_device read."""
 
     platform = "gpu"
-    local_hardware_id = 1
+
+    def __init__(self, cuda_index: int) -> None:
+        self.local_hardware_id = cuda_index
 
 
 def test_torch_device_of_jax_devices():
     assert torch_device(jax.devices("cpu")[0]) == torch.device("cpu")
-    assert torch_device(_GpuDevice()) == torch.device("cuda", 1)
+    assert torch_device(_GpuDevice(1)) == torch.device("cuda", 1)
+
+
+def test_jax_device_finds_the_gpu_by_its_cuda_index(monkeypatch):
+    # A process that JAX lets see only CUDA GPUs 2 and 3
+    # (jax.distributed.initialize(local_device_ids=[2, 3])): cuda:3 is JAX's
+    # second local GPU, not its fourth.
+    gpus = [_GpuDevice(2), _GpuDevice(3)]
+    local_devices = jax.local_devices
+    monkeypatch.setattr(jax, "local_devices", lambda backend=None: gpus if backend == "gpu" else local_devices(backend=backend))
+    assert jax_device(torch.device("cuda", 3)) is gpus[1]
+    assert jax_device(torch.device("cpu")) == jax.local_devices(backend="cpu")[0]
+    with pytest.raises(ValueError, match=r"cuda:0 has no JAX device: JAX's local GPUs have CUDA indices \[2, 3\]"):
+        jax_device(torch.device("cuda", 0))
+
+
+@cuda_only
+def test_jax_device_inverts_torch_device():
+    for device in jax.local_devices(backend="gpu"):
+        assert jax_device(torch_device(device)) == device
 
 
 # --------------------------------------------- outputs on another device
