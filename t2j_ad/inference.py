@@ -7,10 +7,10 @@ zeros. Either run also proves whether the function writes into its inputs.
 NOTE [inference on the call's device]
 A function that closes over a tensor (a weight made with ``device="cuda"``, a
 table) fails on meta inputs, because PyTorch refuses to mix a meta tensor with
-a real one (0-d tensors aside), so its shapes come from the call on zeros; and
-zeros on the CPU fail against a CUDA tensor. So the zeros are made on the device the call
-will run on (``convert.call_device``: a concrete argument's device, else JAX's
-default device). That is a guess when every argument is traced: under
+a real one (0-d tensors aside), so its shapes come from the call on zeros;
+and zeros on the CPU fail against a CUDA tensor. So the zeros are made on the
+device the call will run on (``convert.call_device``: a concrete argument's
+device, else JAX's default device). That is a guess when every argument is traced: under
 ``jax.jit``, a call on arrays committed to another device than JAX's default
 runs there. So when the call's device is not the CPU and the zeros fail
 there, the CPU is tried too; if both fail, the error reported is the one from

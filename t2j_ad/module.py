@@ -37,7 +37,7 @@ import jax
 import torch
 
 from .api import JaxifiedFunction, check_batch_argnums
-from .convert import copy_to_jax, default_device, torch_device
+from .convert import call_device, copy_to_jax, torch_device
 
 
 class _BuffersByDevice:
@@ -76,11 +76,11 @@ def _call_device(params: Mapping[str, torch.Tensor], args: Any, kwargs: Any) -> 
 
 def _first_device(arrays: Any, device: Any) -> jax.Device:
     """The (first) device the parameters are on, or would be."""
-    for a in arrays:
-        return min(a.devices(), key=lambda d: d.id)
     if isinstance(device, jax.sharding.Sharding):
         return min(device.device_set, key=lambda d: d.id)
-    return device if isinstance(device, jax.Device) else default_device()
+    if isinstance(device, jax.Device):
+        return device
+    return call_device(list(arrays))  # on JAX's default device, as device_put(x, None) puts them
 
 
 def _check_device(device: Any) -> None:

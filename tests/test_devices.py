@@ -195,7 +195,9 @@ def test_jax_device_finds_the_gpu_by_its_cuda_index(monkeypatch):
     # second local GPU, not its fourth.
     gpus = [_GpuDevice(2), _GpuDevice(3)]
     local_devices = jax.local_devices
-    monkeypatch.setattr(jax, "local_devices", lambda backend=None: gpus if backend == "gpu" else local_devices(backend=backend))
+    monkeypatch.setattr(
+        jax, "local_devices", lambda backend=None: gpus if backend == "gpu" else local_devices(backend=backend)
+    )
     assert jax_device(torch.device("cuda", 3)) is gpus[1]
     assert jax_device(torch.device("cpu")) == jax.local_devices(backend="cpu")[0]
     with pytest.raises(ValueError, match=r"cuda:0 has no JAX device: JAX's local GPUs have CUDA indices \[2, 3\]"):
