@@ -207,10 +207,12 @@ class JaxifiedFunction:
                 except (TypeError, UnsupportedDtypeError) as err:
                     raise TypeError(f"jaxify: {where}: {err}") from None
             mutation_checked = False
+            shapes_from = "declared by output_shapes"
         else:
             # NOTE [inference on the call's device] in inference.py
             inferred = infer_outputs(raw, in_avals, self.name, torch_device(call_device(arrays)))
-            with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred, is_leaf=_is_output_leaf)
+            shapes_from = inferred.source()
+            with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred.outputs, is_leaf=_is_output_leaf)
             declared = []
             for path, leaf in with_paths:
                 where = f"output{jax.tree_util.keystr(path)}"
@@ -245,6 +247,7 @@ class JaxifiedFunction:
             out_names=tuple(f"output{p}" for p, *_ in declared),
             torch_out_dtypes=tuple(t for *_, t in declared),
             mutation_checked=mutation_checked,
+            shapes_from=shapes_from,
             autograd_vjp=self.autograd_vjp,
             direct=direct,
             direct_single=direct is not None and flat.single_tensor,

@@ -10,17 +10,21 @@ table) fails on meta inputs, because PyTorch refuses to mix a meta tensor with
 a real one (0-d tensors aside), so its shapes come from the call on zeros;
 and zeros on the CPU fail against a CUDA tensor. So the zeros are made on the
 device the call will run on (``convert.call_device``: a concrete argument's
-device, else JAX's default device). That is a guess when every argument is traced: under
-``jax.jit``, a call on arrays committed to another device than JAX's default
-runs there. So when the call's device is not the CPU and the zeros fail
-there, the CPU is tried too; if both fail, the error reported is the one from
-the call's device.
+device, else JAX's default device). That is a guess when every argument is
+traced: under ``jax.jit``, a call on arrays committed to another device than
+JAX's default runs there, and tracers carry no device to tell. So when the
+zeros fail on the call's device, the other GPUs PyTorch sees are tried (a
+jitted call on ``jax.devices()[1]`` closing over a weight on ``cuda:1``),
+then the CPU (``devices_to_try``). Shapes and dtypes do not depend on the
+device, so the first device that works answers; if none does, the error
+reported is the one from the call's device. Only a function that fails on
+every device pays for the extra calls, once per signature.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,20 +54,52 @@ def _run(fn: Callable[..., Any], avals: Sequence[Aval], device: torch.device, na
     return outputs
 
 
-def infer_outputs(fn: Callable[..., Any], avals: Sequence[Aval], name: str, device: torch.device = _CPU) -> Any:
+def devices_to_try(device: torch.device) -> list[torch.device]:
+    """Where inference makes its zeros, in order: ``device`` (the call's), the
+    other GPUs PyTorch sees when it is a GPU, then the CPU (NOTE [inference
+    on the call's device])."""
+    others: list[torch.device] = []
+    if device.type == "cuda":
+        others = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return list(dict.fromkeys((device, *others, _CPU)))
+
+
+class Inferred(NamedTuple):
+    """What inference found: the function's outputs, and where it ran."""
+
+    outputs: Any
+    device: torch.device  # meta, or where the zeros were
+
+    def source(self) -> str:
+        """How the output shapes were found, with what to do if a real call
+        disagrees: the end of the runtime's shape and dtype errors."""
+        if self.device == _META:
+            return (
+                "inferred on PyTorch's meta device. If the function's output shapes and dtypes depend on "
+                "its input shapes and dtypes alone (as JAX needs), a meta kernel of an op here differs from "
+                "its real one, a PyTorch bug (torch 2.11's linalg.vector_norm with dim=-1 over a size-1 "
+                "dimension is one): pass output_shapes= with the real shapes and dtypes"
+            )
+        return (
+            f"inferred by one call on zeros on {self.device}; output shapes and dtypes must depend on the "
+            f"input shapes and dtypes alone, which is all JAX knows when it traces"
+        )
+
+
+def infer_outputs(fn: Callable[..., Any], avals: Sequence[Aval], name: str, device: torch.device = _CPU) -> Inferred:
     """Run ``fn`` on meta tensors, else once on zeros on ``device``, the
-    call's (then on the CPU's: NOTE [inference on the call's device]); return
-    what it returned."""
+    call's (then on the other devices ``devices_to_try`` names: NOTE
+    [inference on the call's device]); return what it returned, and where."""
     try:
-        return _run(fn, avals, _META, name)
+        return Inferred(_run(fn, avals, _META, name), _META)
     except InputMutationError:
         raise
     except Exception:  # noqa: BLE001 - no meta kernel, or needs real data
         pass
     first: tuple[torch.device, Exception] | None = None
-    for where in dict.fromkeys((device, _CPU)):
+    for where in devices_to_try(device):
         try:
-            return _run(fn, avals, where, name)
+            return Inferred(_run(fn, avals, where, name), where)
         except InputMutationError:
             raise
         except Exception as err:  # noqa: BLE001 - reported below if no device works

@@ -143,6 +143,33 @@ def test_output_shapes_mismatch_names_the_output(declared, what):
         jax.block_until_ready(jax.jit(f)(jnp.ones(2)))
 
 
+def _first_row_on_meta(x: torch.Tensor) -> torch.Tensor:
+    # A stand-in for a meta kernel that disagrees with the real one (torch
+    # 2.11's linalg.vector_norm(x, dim=-1) over a size-1 dimension kept it).
+    return x[:1] if x.device.type == "meta" else x
+
+
+def _first_rows_by_value(x: torch.Tensor) -> torch.Tensor:
+    # .item() fails on meta, so the shapes come from zeros: one row.
+    return x[: int(x.sum().item()) + 1]
+
+
+@pytest.mark.parametrize(
+    ("fn", "source"),
+    [
+        (_first_row_on_meta, r"but \(1,\) was inferred on PyTorch's meta device\. .*a PyTorch bug .*pass output_shapes="),
+        (_first_rows_by_value, r"but \(1,\) was inferred by one call on zeros on cpu; output shapes and dtypes must"),
+    ],
+)
+def test_a_call_that_disagrees_with_inference_says_how_the_shapes_were_found(fn, source):
+    f = t2j_ad.jaxify(fn)
+    with pytest.raises(RUNTIME_ERRORS, match=r"output has shape \(2,\), " + source):
+        jax.block_until_ready(jax.jit(f)(jnp.ones(2)))
+    # With the shapes declared, the same call works and agrees with jax.numpy.
+    g = t2j_ad.jaxify(fn, output_shapes=jax.ShapeDtypeStruct((2,), jnp.float32))
+    np.testing.assert_array_equal(jax.jit(g)(jnp.ones(2)), jnp.ones(2))
+
+
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="vmap_method must be one of"):
         t2j_ad.jaxify(lambda x: x, vmap_method="parallel")

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import TORCH_DEVICE, assert_tree_allclose, cuda_only, to_torch
+from conftest import ON_GPU, TORCH_DEVICE, assert_tree_allclose, cuda_only, to_torch
 
 import t2j_ad
-from t2j_ad import compat
+from t2j_ad import compat, inference
 from t2j_ad.convert import ArrayConversionError, copy_to_jax, copy_to_torch, j2t, jax_device, torch_device
 from t2j_ad.inference import infer_outputs
 from t2j_ad.torch_fn import Aval
@@ -160,8 +160,8 @@ def test_inference_tries_the_cpu_when_the_calls_device_fails():
     # call on arrays committed elsewhere: a function closing over CPU tensors
     # must still infer when the guess fails.
     calls: list[str] = []
-    (out,) = infer_outputs(lambda x: (_scaled_by(torch.ones(3), calls)(x),), _avals((3,)), "f", _UNUSABLE)
-    assert out.shape == (3,) and out.dtype == torch.float32
+    (out,), where = infer_outputs(lambda x: (_scaled_by(torch.ones(3), calls)(x),), _avals((3,)), "f", _UNUSABLE)
+    assert out.shape == (3,) and out.dtype == torch.float32 and where == torch.device("cpu")
     assert calls == ["meta", "cpu"]
 
 
@@ -173,6 +173,62 @@ def test_inference_reports_the_calls_devices_error():
         infer_outputs(broken, _avals((3,)), "broken", torch.device("cpu"))
     with pytest.raises(t2j_ad.TorchCallError, match=r"\(while inferring output shapes on zeros on xpu;"):
         infer_outputs(broken, _avals((3,)), "broken", _UNUSABLE)
+
+
+def test_inference_tries_the_other_gpus_before_the_cpu(monkeypatch):
+    # A jitted call on arrays committed to JAX's second GPU, closing over a
+    # weight on cuda:1: the guess (JAX's default device, cuda:0) fails there,
+    # and cuda:1 is tried before the CPU. A CPU PyTorch cannot make CUDA
+    # tensors, so the stand-in runs the function on CPU zeros for "cuda:1".
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    cuda = [torch.device("cuda", i) for i in range(3)]
+    assert inference.devices_to_try(cuda[1]) == [cuda[1], cuda[0], cuda[2], torch.device("cpu")]
+    assert inference.devices_to_try(torch.device("cpu")) == [torch.device("cpu")]
+
+    real_run = inference._run
+    tried: list[str] = []
+
+    def run_where_the_weight_is(fn, avals, device, name):
+        tried.append(str(device))
+        if device != cuda[1]:
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found {device} and cuda:1")
+        return real_run(fn, avals, torch.device("cpu"), name)
+
+    monkeypatch.setattr(inference, "_run", run_where_the_weight_is)
+    w = torch.linspace(0.5, 2.0, 3)
+    (out,), where = infer_outputs(lambda x: (torch.tanh(x * w).to(torch.float64),), _avals((2, 3)), "f", cuda[0])
+    assert tried == ["meta", "cuda:0", "cuda:1"]
+    assert out.shape == (2, 3) and out.dtype == torch.float64 and where == cuda[1]
+
+    tried.clear()
+    infer_outputs(lambda x: (x * w,), _avals((3,)), "f", cuda[2])
+    assert tried == ["meta", "cuda:2", "cuda:0", "cuda:1"]
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("broken everywhere")
+
+    tried.clear()
+    reported = r"found cuda:0 and cuda:1\n\(while inferring output shapes on zeros on cuda:0;"
+    with pytest.raises(t2j_ad.TorchCallError, match=reported):
+        infer_outputs(broken, _avals((3,)), "broken", cuda[0])
+    assert tried == ["meta", "cuda:0", "cuda:1", "cuda:2", "cpu"]
+
+
+@pytest.mark.skipif(
+    not ON_GPU or len(jax.devices()) < 2,
+    reason=f"needs two CUDA GPUs as JAX's devices (JAX has {len(jax.devices())} {jax.default_backend()} device(s))",
+)
+def test_a_jitted_call_on_the_second_gpu_infers_there():
+    # Every argument is traced, so the guess is JAX's default device (GPU 0),
+    # where zeros cannot meet the weight on the second GPU.
+    second = jax.devices()[1]
+    w = np.linspace(0.5, 2.0, 5, dtype=np.float32)
+    weight = torch.as_tensor(w, device=torch_device(second))
+    f = t2j_ad.jaxify(lambda x: torch.tanh(x * weight))
+    x = jax.device_put(jnp.linspace(-1.0, 1.0, 15, dtype=jnp.float32).reshape(3, 5), second)
+    out = jax.jit(f)(x)
+    assert out.devices() == {second}
+    assert_tree_allclose(out, jnp.tanh(x * w))
 
 
 class _GpuDevice:

@@ -206,8 +206,11 @@ def _j_logsumexp(x):
 
 
 def _t_norms(x):
-    # x has no zero entries, so no norm sits at its kink.
-    return torch.linalg.vector_norm(x, dim=-1) + torch.linalg.vector_norm(x, ord=3)
+    # x has no zero entries, so no norm sits at its kink. The last dimension
+    # by its positive index: torch 2.11's meta kernel keeps a size-1 dim=-1
+    # that the real kernel drops, so shapes inferred on meta were wrong there
+    # (the runtime names that: tests/test_bad_input.py).
+    return torch.linalg.vector_norm(x, dim=x.dim() - 1) + torch.linalg.vector_norm(x, ord=3)
 
 
 def _j_norms(x):
