@@ -117,6 +117,49 @@ def _plain_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None)
 _DECOMPOSITIONS = {torch.ops.aten._efficientzerotensor.default: _plain_zeros}
 
 
+# NOTE [fake tensors on a CUDA build without a GPU]
+# Entering FakeTensorMode (every make_fx trace, and inductor's compile) on a
+# PyTorch built for CUDA that sees no GPU (Linux's default wheel on a CPU
+# machine, or CUDA_VISIBLE_DEVICES="") swaps PyTorch's CUDA device guard for a
+# fake one, so that CUDA ops can be traced (torch._C._ensureCUDADeviceGuardSet).
+# The fake guard belongs to a thread_local of the first thread that enters,
+# while the process-wide guard registry keeps its address: once that thread
+# exits, the next trace reads freed memory and the process dies (a segfault
+# with torch 2.11, at a graph-mode call after one on a thread that had ended).
+# XLA's threads and the user's come and go, so the first swap is made on a
+# daemon thread of ours, parked for the life of the process; later entries
+# find the fake guard in place and leave it. CPU-only builds, and machines
+# with a GPU, never swap and start no thread.
+_guard_lock = threading.Lock()
+_guard_kept = False
+
+
+def keep_fake_cuda_guard_alive() -> None:
+    """Make PyTorch's fake CUDA device guard on a thread that never exits, if
+    this PyTorch will swap one in (NOTE [fake tensors on a CUDA build without
+    a GPU]); once per process."""
+    global _guard_kept
+    if _guard_kept:
+        return
+    with _guard_lock:
+        if _guard_kept:
+            return
+        ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)  # private; absent: nothing to keep
+        if ensure is not None and torch.backends.cuda.is_built() and not torch.cuda.is_available():
+            done = threading.Event()
+
+            def park() -> None:
+                try:
+                    ensure()
+                finally:
+                    done.set()
+                threading.Event().wait()
+
+            threading.Thread(target=park, name="t2j_ad-fake-cuda-guard", daemon=True).start()
+            done.wait()
+        _guard_kept = True
+
+
 def trace(fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> torch.fx.GraphModule:
     """``fn`` traced on fake versions of ``inputs`` into an aten graph."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -192,6 +235,7 @@ class Artifact:
 
 
 def _build_artifact(mode: str, impl: Flat, base: Any, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> Artifact:
+    keep_fake_cuda_guard_alive()
     try:
         start = time.perf_counter()
         with provisional(base):

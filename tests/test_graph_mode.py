@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 import weakref
 
@@ -363,6 +364,61 @@ def test_threads_share_one_trace_and_all_get_right_answers(traces):
 
     run_in_threads(work, 8)
     assert len(traces) == 1
+
+
+@pytest.mark.parametrize(("cuda_built", "gpu_seen", "swaps"), [(True, False, 1), (False, False, 0), (True, True, 0)])
+def test_the_fake_cuda_guard_is_made_on_a_thread_that_outlives_the_caller(monkeypatch, cuda_built, gpu_seen, swaps):
+    # NOTE [fake tensors on a CUDA build without a GPU]: PyTorch swaps the
+    # guard in only on a CUDA build that sees no GPU, stood in for here.
+    made_on: list[threading.Thread] = []
+    monkeypatch.setattr(graph_mode, "_guard_kept", False)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: cuda_built)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu_seen)
+    monkeypatch.setattr(torch._C, "_ensureCUDADeviceGuardSet", lambda: made_on.append(threading.current_thread()))
+    caller = threading.Thread(target=graph_mode.keep_fake_cuda_guard_alive)
+    caller.start()
+    caller.join()
+    graph_mode.keep_fake_cuda_guard_alive()  # once per process
+    assert len(made_on) == swaps
+    for keeper in made_on:
+        assert keeper is not caller and keeper.daemon and keeper.is_alive()
+
+
+_ENDED_THREAD_PROBE = textwrap.dedent(
+    """
+    import threading
+
+    import jax, jax.numpy as jnp, numpy as np, torch
+    import t2j_ad
+
+    x = jnp.linspace(-1.0, 1.0, 6)
+    failures = []
+
+    def check(k):
+        try:
+            f = t2j_ad.jaxify(lambda x: torch.sin(x) * k, compile="graph")
+            np.testing.assert_allclose(jax.jit(f)(x), jnp.sin(x) * k, rtol=1e-6)
+        except Exception as err:
+            failures.append(err)
+
+    thread = threading.Thread(target=check, args=(2.0,))
+    thread.start()
+    thread.join()
+    check(3.0)
+    print("failures:", failures)
+    """
+)
+
+
+def test_a_trace_after_one_on_a_thread_that_ended():
+    # A CUDA build of torch 2.11 on a machine without a GPU died here with a
+    # segfault (NOTE [fake tensors on a CUDA build without a GPU]); a CPU
+    # build or a GPU never swaps the guard, and runs the same checks.
+    done = subprocess.run(
+        [sys.executable, "-c", _ENDED_THREAD_PROBE], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, f"exit status {done.returncode}\n{done.stderr[-3000:]}"
+    assert done.stdout.strip().splitlines()[-1] == "failures: []", done.stdout
 
 
 def _graph_modules(jaxified) -> list[weakref.ref]:
