@@ -273,9 +273,16 @@ def _as_jax_dtype(t: Any) -> Any:
 
 # ------------------------------------------------------------ the wrapper
 
+# torch2jax's wording (its tests match it), so filters written for it keep working.
 _SHAPES_CHANGED = (
-    "torch2jax: input shapes changed; t2j_ad infers the output shapes for the new inputs "
-    "on meta tensors{declared}.\nExpecting: {expected}\nActual:    {actual}"
+    "torch2jax: input shapes changed. The torch function will be re-run on placeholder (meta) tensors "
+    "(not the original concrete inputs) to infer output shapes for the new input shapes."
+    "\nExpecting: {expected}\nActual:    {actual}"
+)
+_SHAPES_CHANGED_DECLARED = (
+    "torch2jax: input shapes changed, but `output_shapes` was explicitly provided. Output shapes for the new "
+    "inputs will be inferred by re-running the torch function on placeholder (meta) tensors."
+    "\nExpecting: {expected}\nActual:    {actual}"
 )
 
 
@@ -386,9 +393,9 @@ class Torch2JaxFunction:
         if key is None or key == self._example_key or key in self._warned:
             return
         self._warned.add(key)
-        declared = ", not from output_shapes (it describes the example arguments)" if self._declared else ""
+        message = _SHAPES_CHANGED_DECLARED if self._declared else _SHAPES_CHANGED
         warnings.warn(
-            _SHAPES_CHANGED.format(declared=declared, expected=_format_key(self._example_key), actual=_format_key(key)),
+            message.format(expected=_format_key(self._example_key), actual=_format_key(key)),
             UserWarning,
             stacklevel=3,
         )

@@ -359,13 +359,13 @@ class _Runner:
             if tuple(r.shape) != aval.shape:
                 raise TorchCallError(
                     f"{self.name}: {name} has shape {tuple(r.shape)}, but "
-                    f"{aval.shape} was {self.base.shapes_from}."
+                    f"{aval.shape} was expected, as {self.base.shapes_from}."
                 )
         for name, r, declared in zip(self.out_names, results, self.dtypes):
             if declared is not None and r.dtype != declared:
                 raise TorchCallError(
                     f"{self.name}: {name} has dtype {jax_dtype(r.dtype)}, "
-                    f"but {jax_dtype(declared)} was {self.base.shapes_from}."
+                    f"but {jax_dtype(declared)} was expected, as {self.base.shapes_from}."
                 )
         for name, r, out in zip(self.out_names, results, outputs):
             if r.device != out.device:

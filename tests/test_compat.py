@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import TORCH_DEVICE, assert_tree_allclose
 
-from t2j_ad import FallbackWarning
+from t2j_ad import FallbackWarning, TorchCallError
 from t2j_ad.compat import (
     Size,
     Torch2JaxInputError,
@@ -248,6 +248,22 @@ def test_output_shapes_bad_leaf_is_named():
         torch2jax(lambda x: (x, x), randn(2), output_shapes=(Size([2]), "2"))
 
 
+@pytest.mark.parametrize(
+    ("torch_fn", "match"),
+    [
+        (lambda a: a[:1] * 10, r"output has shape \(1,\), but \(4,\) was expected"),
+        (lambda a: a.to(torch.int8), r"output has dtype int8, but float32 was expected"),
+        (lambda a: (a, a), r"returned 2 outputs .*expected 1"),
+    ],
+)
+def test_results_that_do_not_match_output_shapes_say_what_was_expected(torch_fn, match):
+    # torch2jax's own suite matches "expected" (and "returned 2 outputs").
+    x = jnp.arange(4.0, dtype=jnp.float32)
+    jax_fn = torch2jax(torch_fn, x, output_shapes=jax.ShapeDtypeStruct((4,), jnp.float32))
+    with pytest.raises((jax.errors.JaxRuntimeError, TorchCallError), match=match):
+        jax.block_until_ready(jax_fn(x))
+
+
 # ------------------------------------------------------ example arguments
 
 
@@ -303,6 +319,9 @@ def test_other_shapes_rewrap_with_a_warning(declared):
     with pytest.warns(UserWarning, match="input shapes changed") as record:
         out = jax_fn(x, y)
     assert any("float32[8, 3], float32[3, 5]" in str(w.message) for w in record)
+    # torch2jax's wording, one for each case.
+    wording = "but `output_shapes` was explicitly provided" if declared else "(not the original concrete inputs)"
+    assert any(wording in str(w.message) for w in record)
     assert_tree_allclose(out, x @ y)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per new signature; none for the example's

@@ -278,13 +278,13 @@ def _result_faults() -> list[Fault]:
         Fault(
             "wrong output shape",
             lambda: wrong_shape(BAD),
-            r"output has shape \(2,\), but \(3,\) was declared",
+            r"output has shape \(2,\), but \(3,\) was expected, as declared by output_shapes",
             lambda: (wrong_shape(GOOD), GOOD * 2),
         ),
         Fault(
             "wrong output dtype",
             lambda: wrong_dtype(BAD),
-            r"output has dtype float64, but float32 was declared",
+            r"output has dtype float64, but float32 was expected, as declared by output_shapes",
             lambda: (wrong_dtype(GOOD), GOOD * 2),
         ),
         Fault(
