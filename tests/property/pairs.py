@@ -66,6 +66,10 @@ class Pair:
     # False where PyTorch's own forward-mode formula cannot be differentiated
     # again: no derivative is then drawn on top of jvp/jacfwd/hessian.
     differentiable_jvp: bool = True
+    # False where torch.vmap over PyTorch's forward mode gives wrong values
+    # when the primal is batched at an outer level only: a vmap drawn on top of
+    # jvp/jacfwd/hessian then uses "broadcast_all" for "auto"/"expand_dims".
+    batchable_jvp: bool = True
 
     def __repr__(self) -> str:
         return f"Pair({self.name})"
@@ -369,7 +373,15 @@ PAIRS: tuple[Pair, ...] = (
     ),
     Pair("cholesky", _t_cholesky, _j_cholesky, (SMALL,), _same((3, 3), (2, 2), (1, 1), n=1)),
     # torch.func's third derivative of det is NaN (torch 2.13; plain autograd is right).
-    Pair("det", _t_det, _j_det, (SMALL,), _same((3, 3), (2, 2), (1, 1), n=1), max_order=2, differentiable_jvp=False),
+    # torch 2.11-2.14: torch.func.vmap(torch.func.jacfwd(torch.linalg.det))
+    # over a batch of matrices is wrong past the first (the inner vmap leaves
+    # the primal unbatched; vmap of jacrev is right). vmap_method
+    # "broadcast_all" or "sequential" gives the right values
+    # (test_transforms.py, docs/transforms.md).
+    Pair(
+        "det", _t_det, _j_det, (SMALL,), _same((3, 3), (2, 2), (1, 1), n=1),
+        max_order=2, differentiable_jvp=False, batchable_jvp=False,
+    ),
     Pair("where", _t_where, _j_where, (AWAY_FROM_ZERO, REAL), _same(*ANY)),
     Pair("clamp", _t_clamp, _j_clamp, (Domain(-2.0, 2.0, avoid=(-1.0, 0.0, 1.0)),), _same(*ANY, n=1)),
     Pair("cumsum", _t_cumsum, _j_cumsum, (REAL,), _same(*VECTORS, n=1)),

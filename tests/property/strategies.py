@@ -207,6 +207,11 @@ def forward_free(stack: Sequence[Transform]) -> bool:
     return not any(isinstance(t, (Jvp, Jacfwd, Hessian)) for t in stack)
 
 
+def vmap_over_forward_mode(stack: Sequence[Transform]) -> bool:
+    """Whether a ``Vmap`` of ``stack`` batches a forward-mode transform under it."""
+    return any(isinstance(t, Vmap) and not forward_free(stack[:i]) for i, t in enumerate(stack))
+
+
 # -- strategies ------------------------------------------------------------------
 
 
@@ -327,6 +332,8 @@ def cases(
         inner_shapes = stack_shapes(shapes, stack)
         stack = stack + (Vmap(draw(in_axes(inner_shapes)), draw(st.sampled_from(BATCH_SIZES))),)
     method = draw(st.sampled_from(VMAP_METHODS))
+    if not pair.batchable_jvp and vmap_over_forward_mode(stack) and method in ("auto", "expand_dims"):
+        method = "broadcast_all"  # see Pair.batchable_jvp
     args = draw(argument_values(pair, dtype, stack_shapes(shapes, stack)))
     return Case(pair, dtype, tuple(shapes), stack, method, args)
 

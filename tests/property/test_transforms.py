@@ -60,3 +60,28 @@ def test_matches_jax_under_transform_stack(pair: Pair):
         assert_tree_allclose(ours, reference, rtol=tol, atol=tol)
 
     check()
+
+
+def _check_vmap_of_jacfwd_of_det(vmap_method: str) -> None:
+    pair = next(p for p in PAIRS if p.name == "det")
+    x = jnp.stack([jnp.zeros((3, 3)), 0.1 * jnp.eye(3), jnp.full((3, 3), 0.2)])
+    ours = jax.jit(jax.vmap(jax.jacfwd(torch_version(pair, vmap_method))))(x)
+    reference = jax.jit(jax.vmap(jax.jacfwd(pair.jax_fn)))(x)
+    tol = tolerance("float32", 1)
+    assert_tree_allclose(ours, reference, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("vmap_method", ["sequential", "broadcast_all"])
+def test_vmap_of_jacfwd_of_det_matches_jax_when_the_primal_is_batched_too(vmap_method: str):
+    # What Pair.batchable_jvp=False makes the property suite draw for det.
+    _check_vmap_of_jacfwd_of_det(vmap_method)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch 2.11-2.14: torch.func.vmap over a vmap of jvp(torch.linalg.det) whose primal only the outer "
+    "level batches (vmap(jacfwd(det))) is wrong past the first batch element (torch.func itself)",
+)
+@pytest.mark.parametrize("vmap_method", ["auto", "expand_dims"])
+def test_vmap_of_jacfwd_of_det_through_torch_vmap_pytorch_gap(vmap_method: str):
+    _check_vmap_of_jacfwd_of_det(vmap_method)
