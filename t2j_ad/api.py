@@ -207,11 +207,11 @@ class JaxifiedFunction:
                 except (TypeError, UnsupportedDtypeError) as err:
                     raise TypeError(f"jaxify: {where}: {err}") from None
             mutation_checked = False
-            shapes_from = "declared by output_shapes"
+            inferred_on = None
         else:
             # NOTE [inference on the call's device] in inference.py
             inferred = infer_outputs(raw, in_avals, self.name, torch_device(call_device(arrays)))
-            shapes_from = inferred.source()
+            inferred_on = inferred.device
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred.outputs, is_leaf=_is_output_leaf)
             declared = []
             for path, leaf in with_paths:
@@ -247,7 +247,7 @@ class JaxifiedFunction:
             out_names=tuple(f"output{p}" for p, *_ in declared),
             torch_out_dtypes=tuple(t for *_, t in declared),
             mutation_checked=mutation_checked,
-            shapes_from=shapes_from,
+            inferred_on=inferred_on,
             autograd_vjp=self.autograd_vjp,
             direct=direct,
             direct_single=direct is not None and flat.single_tensor,

@@ -70,21 +70,6 @@ class Inferred(NamedTuple):
     outputs: Any
     device: torch.device  # meta, or where the zeros were
 
-    def source(self) -> str:
-        """How the output shapes were found, with what to do if a real call
-        disagrees: the end of the runtime's shape and dtype errors."""
-        if self.device == _META:
-            return (
-                "inferred on PyTorch's meta device. If the function's output shapes and dtypes depend on "
-                "its input shapes and dtypes alone (as JAX needs), a meta kernel of an op here differs from "
-                "its real one, a PyTorch bug (torch 2.11's linalg.vector_norm with dim=-1 over a size-1 "
-                "dimension is one): pass output_shapes= with the real shapes and dtypes"
-            )
-        return (
-            f"inferred by one call on zeros on {self.device}; output shapes and dtypes must depend on the "
-            f"input shapes and dtypes alone, which is all JAX knows when it traces"
-        )
-
 
 def infer_outputs(fn: Callable[..., Any], avals: Sequence[Aval], name: str, device: torch.device = _CPU) -> Inferred:
     """Run ``fn`` on meta tensors, else once on zeros on ``device``, the

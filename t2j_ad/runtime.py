@@ -359,13 +359,13 @@ class _Runner:
             if tuple(r.shape) != aval.shape:
                 raise TorchCallError(
                     f"{self.name}: {name} has shape {tuple(r.shape)}, but "
-                    f"{aval.shape} was expected, as {self.base.shapes_from}."
+                    f"{aval.shape} was expected, as {self._expected_because()}."
                 )
         for name, r, declared in zip(self.out_names, results, self.dtypes):
             if declared is not None and r.dtype != declared:
                 raise TorchCallError(
                     f"{self.name}: {name} has dtype {jax_dtype(r.dtype)}, "
-                    f"but {jax_dtype(declared)} was expected, as {self.base.shapes_from}."
+                    f"but {jax_dtype(declared)} was expected, as {self._expected_because()}."
                 )
         for name, r, out in zip(self.out_names, results, outputs):
             if r.device != out.device:
@@ -375,6 +375,37 @@ class _Runner:
                     f"between devices behind your back: make the tensor on the inputs' device "
                     f"(torch.zeros(..., device=x.device), or .to(x.device))."
                 )
+
+    def _expected_because(self) -> str:
+        """Why the expected output shapes are what they are, and what to do
+        when PyTorch returned others: the end of ``_check_outputs``' errors."""
+        where = self.base.inferred_on
+        if where is None:
+            own = "declared by output_shapes"
+        elif where.type == "meta":
+            own = "inferred on PyTorch's meta device"
+        else:
+            own = f"inferred by one call on zeros on {where}"
+        if self.transforms:
+            return (
+                f"JAX's rules give for {self.name} from the function's own output shapes ({own}). "
+                f"Where those are right, a batching or derivative rule of PyTorch's is wrong for an op here "
+                f"(torch.vmap of an op whose arguments two vmaps batch at different levels, for one): "
+                f"vmap_method='sequential' or 'broadcast_all' avoids torch.vmap's own rules"
+            )
+        if where is None:
+            return own
+        if where.type == "meta":
+            return (
+                f"{own}. If the function's output shapes and dtypes depend on its input shapes and dtypes "
+                f"alone (as JAX needs), a meta kernel of an op here differs from its real one, a PyTorch bug "
+                f"(torch 2.11's linalg.vector_norm with dim=-1 over a size-1 dimension is one): pass "
+                f"output_shapes= with the real shapes and dtypes"
+            )
+        return (
+            f"{own}; output shapes and dtypes must depend on the input shapes and dtypes alone, which is all "
+            f"JAX knows when it traces"
+        )
 
     def _refuse_mutation(self, inputs: Sequence[torch.Tensor]) -> None:
         mutated = [i for i, t in enumerate(inputs) if t._version]

@@ -113,7 +113,7 @@ class BaseFn:
         out_names: tuple[str, ...],
         torch_out_dtypes: tuple[Any, ...],
         mutation_checked: bool,
-        shapes_from: str = "declared by output_shapes",
+        inferred_on: Any = None,
         autograd_vjp: bool = False,
         direct: Callable[..., Any] | None = None,
         direct_single: bool = False,
@@ -143,10 +143,10 @@ class BaseFn:
         # False until one run has shown the function leaves its inputs alone;
         # until then the runtime hands it copies (see runtime.py).
         self.mutation_checked = mutation_checked
-        # How out_avals were found ("declared by output_shapes", inferred on
-        # meta or on zeros), with what to do when a call disagrees: the end
-        # of the runtime's shape and dtype errors (inference.Inferred.source).
-        self.shapes_from = shapes_from
+        # Where out_avals were inferred: torch.device("meta"), the device of
+        # the zeros, or None when output_shapes declared them (the runtime's
+        # shape and dtype errors say which, and what to do).
+        self.inferred_on = inferred_on
         # Reverse mode by torch.autograd.grad from the start, never trying
         # torch.func.vjp (see NOTE [fallbacks] in rules/fallbacks.py).
         self.autograd_vjp = autograd_vjp

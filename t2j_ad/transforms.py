@@ -109,8 +109,22 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
     if t.method == "broadcast_all":
         return broadcast_all
 
+    batched = tuple((size,) + tuple(o.shape) for o in outs)
+
+    def checked_expand_dims(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # A batching rule of PyTorch's that returns the wrong shape counts as
+        # a refusal (torch 2.13's mse_loss under two vmaps that batch its two
+        # arguments at different levels, at batch size 1): the loop is right.
+        results = expand_dims(*args)
+        for i, (r, shape) in enumerate(zip(results, batched)):
+            if tuple(r.shape) != shape:
+                raise RuntimeError(
+                    f"torch.vmap returned output {i} with shape {tuple(r.shape)}, but batching gives {shape}"
+                )
+        return results
+
     def auto(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return vmap_auto(expand_dims, sequential, args, base=base, key=prefix)
+        return vmap_auto(checked_expand_dims, sequential, args, base=base, key=prefix)
 
     return auto
 

@@ -263,6 +263,44 @@ def test_explicit_methods_never_fall_back():
     assert fallback_warnings(caught) == []
 
 
+class _FirstRowVmapRule(torch.autograd.Function):
+    """2 * x whose vmap rule returns the first batch row only: the wrong shape,
+    as torch 2.13's batching of mse_loss gave under two vmaps that batch its
+    arguments at different levels, at batch size 1."""
+
+    @staticmethod
+    def forward(x):
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+    @staticmethod
+    def vmap(info, in_dims, x):
+        return (x.movedim(in_dims[0], 0) * 2)[:1], 0
+
+
+def test_a_batching_rule_that_returns_the_wrong_shape():
+    x = randn(4, 3)
+    auto = t2j_ad.jaxify(_FirstRowVmapRule.apply, compile="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_tree_allclose(jax.vmap(auto)(x), 2 * x)  # auto: counted as a refusal, the loop is right
+    messages = fallback_warnings(caught)
+    assert len(messages) == 1, messages
+    assert "torch.vmap returned output 0 with shape (1, 3), but batching gives (4, 3)" in messages[0]
+    # expand_dims keeps torch.vmap's answer, and the error says what to do.
+    expand_dims = t2j_ad.jaxify(_FirstRowVmapRule.apply, vmap_method="expand_dims", compile="eager")
+    expected = r"has shape \(1, 3\), but \(4, 3\) was expected, as JAX's rules give .*'sequential' or 'broadcast_all'"
+    with pytest.raises(RUNTIME_ERRORS, match=expected):
+        jax.block_until_ready(jax.vmap(expand_dims)(x))
+
+
 def test_auto_reraises_errors_that_are_not_about_vmap():
     def broken(x):
         raise ValueError("broken on purpose")

@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pairs import torch_version
 from strategies import (
-    VMAP_METHODS,
     Case,
     apply_stack,
     cases,
@@ -26,6 +25,7 @@ from strategies import (
     note_reproduction,
     project,
     transformed,
+    vmap_methods_for,
 )
 
 # Each property samples the pair too, so it gets a few examples per pair.
@@ -113,7 +113,8 @@ def test_vmap_methods_agree(case: Case) -> None:
     note_reproduction()
     with jax.enable_x64(case.dtype == "float64"):
         args = tuple(jnp.asarray(a) for a in case.args)
-        results = {m: jax.jit(apply_stack(torch_version(case.pair, m), case.stack))(*args) for m in VMAP_METHODS}
+        methods = vmap_methods_for(case.pair, case.stack)
+        results = {m: jax.jit(apply_stack(torch_version(case.pair, m), case.stack))(*args) for m in methods}
         tol = _tolerance(case)
-        for method in VMAP_METHODS:
+        for method in methods:
             assert_tree_allclose(results[method], results["sequential"], rtol=tol, atol=tol)
