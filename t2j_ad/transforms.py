@@ -109,7 +109,7 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
     if t.method == "broadcast_all":
         return broadcast_all
 
-    batched = tuple((size,) + tuple(o.shape) for o in outs)
+    batched = tuple(a.shape for a in t.avals(ins, outs)[1])
 
     def checked_expand_dims(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # A batching rule of PyTorch's that returns the wrong shape counts as
