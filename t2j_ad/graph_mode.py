@@ -58,6 +58,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode  # private: NOTE [what a trace leaves behind]
 
 from .rules.fallbacks import provisional, warn_once
+from .trace_check import disagreement
 
 COMPILE_MODES = ("eager", "graph", "inductor")
 ENV_VAR = "T2J_AD_COMPILE"
@@ -224,11 +225,12 @@ def compile_with_inductor(graph: torch.fx.GraphModule, inputs: Sequence[torch.Te
 class Artifact:
     """What one TorchFn runs on one device: a callable, or eager with a reason."""
 
-    __slots__ = ("run", "reason", "cuda_graph", "trace_seconds", "compile_seconds")
+    __slots__ = ("run", "reason", "traced", "cuda_graph", "trace_seconds", "compile_seconds")
 
-    def __init__(self, run: Flat | None, reason: str | None = None):
+    def __init__(self, run: Flat | None, reason: str | None = None, traced: bool = False):
         self.run = run
         self.reason = reason  # why it runs eagerly, when run is None
+        self.traced = traced  # whether it runs eagerly although the trace worked
         self.cuda_graph: Any = None  # cuda_graphs.CudaGraphCall, on CUDA
         self.trace_seconds = 0.0
         self.compile_seconds = 0.0
@@ -240,6 +242,9 @@ def _build_artifact(mode: str, impl: Flat, base: Any, inputs: Sequence[torch.Ten
         start = time.perf_counter()
         with provisional(base):
             graph = trace(impl, inputs, grad_enabled)
+        reason = disagreement(impl, graph, inputs, grad_enabled)  # NOTE [checking a trace against eager]
+        if reason is not None:
+            return Artifact(None, reason, traced=True)
         traced = time.perf_counter()
         run: Flat = graph.forward
         if mode == "inductor":
@@ -292,14 +297,21 @@ def artifacts(base: Any) -> list[Artifact]:
     return list(base.__dict__.get("graphs", {}).values())
 
 
-def announce_fallback(base: Any, name: str, mode: str, transforms: tuple[Any, ...], reason: str) -> None:
-    """One ``FallbackWarning`` per function and transform stack."""
+def announce_fallback(base: Any, name: str, mode: str, transforms: tuple[Any, ...], artifact: Artifact) -> None:
+    """One ``FallbackWarning`` per function and transform stack, saying why
+    ``artifact`` runs eagerly."""
     stack = " > ".join(type(t).__name__ for t in transforms) or "plain call"
+    if artifact.traced:
+        what = f"dropped the traced graph of {name!r}"
+        advice = "."
+    else:
+        what = f"could not trace {name!r}"
+        advice = (
+            ", or keep tensor values out of Python control flow (no .item(), NumPy or `if tensor`) to trace it."
+        )
     warn_once(
         base,
         ("compile", mode, transforms),
-        f"t2j_ad: compile={mode!r} could not trace {name!r} (transforms: {stack}), so it runs "
-        f"eagerly: {reason}. Results are the same; only speed differs. Pass compile='eager' "
-        f"to silence this, or keep tensor values out of Python control flow (no .item(), "
-        f"NumPy or `if tensor`) to trace it.",
+        f"t2j_ad: compile={mode!r} {what} (transforms: {stack}), so it runs eagerly: {artifact.reason}. "
+        f"Results are the same; only speed differs. Pass compile='eager' to silence this{advice}",
     )

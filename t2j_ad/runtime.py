@@ -311,7 +311,7 @@ class _Runner:
             # that fails eagerly too raises its own error, no warning.
             results = self.impl(*inputs)
             self.call = self.impl
-            graph_mode.announce_fallback(self.base, self.name, self.compile, self.transforms, artifact.reason)
+            graph_mode.announce_fallback(self.base, self.name, self.compile, self.transforms, artifact)
             return results
         self.call = artifact.run
         self.cuda_graph = artifact.cuda_graph

@@ -1,0 +1,123 @@
+"""A traced graph is checked against eager where its layouts differ from the
+trace's (NOTE [checking a trace against eager] in t2j_ad/trace_check.py).
+
+Stand-ins force the check (a layout divergence) or a wrong graph, which no
+PyTorch version is guaranteed to give; results are held against pure JAX or
+against the same function run eagerly. The case that found it (jacfwd of det
+under a size-1 vmap) is in tests/property/test_transforms.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import TORCH_DEVICE, assert_tree_allclose, to_numpy
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import t2j_ad
+from t2j_ad import graph_mode, trace_check
+from t2j_ad.rules.fallbacks import FallbackWarning
+
+
+def _fallbacks(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
+
+
+def _diverge_always(monkeypatch):
+    monkeypatch.setattr(trace_check, "layout_divergence", lambda graph, inputs: "a stand-in divergence")
+
+
+def test_a_graph_that_disagrees_with_eager_is_dropped_with_one_warning(monkeypatch):
+    original = graph_mode.trace
+
+    def wrong_trace(fn, inputs, grad_enabled):
+        return original(lambda x: (x * 3,), inputs, grad_enabled)  # the function doubles
+
+    monkeypatch.setattr(graph_mode, "trace", wrong_trace)
+    _diverge_always(monkeypatch)
+    f = jax.jit(t2j_ad.jaxify(lambda x: x * 2, compile="graph"))
+    x = jnp.arange(4.0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert_tree_allclose(f(x), x * 2)
+        assert_tree_allclose(f(x + 1), (x + 1) * 2)
+    (message,) = _fallbacks(record)
+    assert "dropped the traced graph" in message
+    assert "disagreed with the eager call on output 0" in message and "a stand-in divergence" in message
+    assert "Python control flow" not in message  # the trace worked: no advice about tracing
+
+
+def test_a_graph_that_agrees_is_kept_and_leaves_the_generator_where_eager_does(monkeypatch):
+    _diverge_always(monkeypatch)
+
+    def noisy(x):
+        return x * 2 + torch.rand_like(x)
+
+    x = jnp.zeros(4)
+    drawn = {}
+    for mode in ("eager", "graph"):
+        f = jax.jit(t2j_ad.jaxify(noisy, compile=mode))
+        torch.manual_seed(1234)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FallbackWarning)
+            first = np.asarray(f(x))  # graph mode: traced, checked, then run
+        drawn[mode] = (first, to_numpy(torch.rand(2, device=TORCH_DEVICE)))
+    np.testing.assert_array_equal(drawn["graph"][0], drawn["eager"][0])
+    np.testing.assert_array_equal(drawn["graph"][1], drawn["eager"][1])
+    torch.manual_seed(1234)
+    np.testing.assert_array_equal(drawn["graph"][0], to_numpy(torch.rand(4, device=TORCH_DEVICE)))
+
+
+def _traced(fn, *inputs) -> torch.fx.GraphModule:
+    return make_fx(fn, tracing_mode="fake")(*inputs)
+
+
+def _relabel(graph: torch.fx.GraphModule, name: str, strides: tuple[int, ...]) -> None:
+    """Make ``graph``'s trace-time record of node ``name`` claim ``strides``."""
+    node = next(n for n in graph.graph.nodes if n.name == name)
+    fake = node.meta["val"]
+    with fake.fake_mode:
+        node.meta["val"] = torch.empty_strided(fake.shape, strides, dtype=fake.dtype)
+
+
+def test_layout_divergence_names_the_first_node_laid_out_unlike_its_trace():
+    x = torch.randn(2, 3)
+    graph = _traced(lambda x: ((x * 2).t().contiguous() + 1,), x)
+    assert trace_check.layout_divergence(graph, [x]) is None
+    names = [n.name for n in graph.graph.nodes if n.op == "call_function"]
+    clone = next(n for n in names if n.startswith("clone"))
+    _relabel(graph, clone, (1, 3))  # real: (2, 1), contiguous (3, 2)
+    divergence = trace_check.layout_divergence(graph, [x])
+    assert divergence is not None and divergence.startswith(clone) and "(2, 1)" in divergence
+
+
+def test_strides_of_size_one_dims_are_not_a_divergence():
+    x = torch.randn(1, 3)
+    graph = _traced(lambda x: (x * 2,), x)
+    mul = next(n.name for n in graph.graph.nodes if n.name.startswith("mul"))
+    _relabel(graph, mul, (7, 1))  # the size-1 dim's stride means nothing
+    assert trace_check.layout_divergence(graph, [x]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_rounding_passes_and_a_transposed_result_does_not(dtype):
+    a = torch.tensor([[4.0, -1.0], [0.5, 4.4]], dtype=dtype)
+    ulp = torch.finfo(dtype).eps * 4
+    assert trace_check._mismatch(a, a * (1 + ulp)) is None
+    assert "off by up to" in trace_check._mismatch(a, a.t().contiguous())
+
+
+def test_special_values_and_integers_must_match_exactly():
+    a = torch.tensor([1.0, float("inf"), float("nan")])
+    assert trace_check._mismatch(a, a.clone()) is None
+    assert "NaN or infinite" in trace_check._mismatch(a, torch.tensor([1.0, float("inf"), 0.0]))
+    assert "NaN or infinite" in trace_check._mismatch(a, torch.tensor([1.0, -float("inf"), float("nan")]))
+    n = torch.tensor([1, 2, 3])
+    assert trace_check._mismatch(n, n.clone()) is None
+    assert trace_check._mismatch(n, n + 1) == "different values"
+    assert "where eager gives (3,)" in trace_check._mismatch(n, n[:2])
