@@ -6,7 +6,7 @@
 # function traced (T2J_AD_COMPILE=graph), with fewer property examples than
 # the eager run (60 per pair): the same math, every example traced; CI's
 # 20-minute budget has room for 8 per pair.
-GRAPH_MODE_TESTS=(tests/test_ad.py tests/test_batching.py tests/test_module.py tests/test_ad_fallbacks.py tests/property)
+GRAPH_MODE_TESTS=(tests/test_ad.py tests/test_batching.py tests/test_module.py tests/test_ad_fallbacks.py tests/test_jet.py tests/property)
 GRAPH_MODE_EXAMPLES=8
 
 # The core tests again on the Python callback backend (T2J_AD_BACKEND=callback).

@@ -15,6 +15,11 @@ import jax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+try:  # Taylor mode: its rules live in a registry of the experimental jet module.
+    from jax.experimental import jet as _jet
+except ImportError:  # pragma: no cover - a JAX without jet: no rule to register
+    _jet = None
+
 # JAX >= 0.4.36 exposes the abstract-array class here; older releases kept it
 # in jax.core.
 from jax.core import ShapedArray
@@ -141,6 +146,7 @@ def register_rules(
     jvp: Callable[..., tuple[Sequence[Any], Sequence[Any]]],
     transpose: Callable[..., Sequence[Any]],
     batch: Callable[..., tuple[Sequence[Any], Sequence[int | None]]],
+    jet: Callable[..., tuple[Sequence[Any], Sequence[Sequence[Any] | None]]],
     lowering: Callable[..., Sequence[Any]],
 ) -> None:
     """Register plain-valued rules on ``prim`` through adapters.
@@ -156,6 +162,9 @@ def register_rules(
       (``None`` for a zero cotangent or a non-linear input).
     - ``batch(args, dims, **params) -> (outs, out_dims)``: ``None`` dims are
       unbatched.
+    - ``jet(primals, series, **params) -> (outs, out_series)``: ``series``
+      has one list of Taylor coefficients per input (zeros where ``jet`` had
+      none), ``out_series`` one per output, ``None`` for "zero".
     """
     if impl is None:
         prim.def_impl(lambda *args, **params: apply_primitive(prim, *args, **params))
@@ -191,7 +200,13 @@ def register_rules(
     def batch_adapter(args, dims, **params):
         return batch(list(args), list(dims), **params)
 
+    def jet_adapter(primals, series, **params):
+        outs, out_series = jet(list(primals), [list(s) for s in series], **params)
+        return outs, [_jet.zero_series if s is None else s for s in out_series]
+
     ad.primitive_jvps[prim] = jvp_adapter
     ad.primitive_transposes[prim] = transpose_adapter
     batching.primitive_batchers[prim] = batch_adapter
+    if _jet is not None:
+        _jet.jet_rules[prim] = jet_adapter
     mlir.register_lowering(prim, lowering)

@@ -14,6 +14,7 @@ from . import backends
 from ._jax_internals import register_rules, require_devices_during_lowering
 from .primitive import torch_call_abstract_eval, torch_call_p
 from .rules.batching import torch_call_batch
+from .rules.jet import torch_call_jet
 from .rules.jvp import torch_call_jvp
 from .rules.partitioning import partitionable
 from .rules.transpose import torch_call_transpose
@@ -32,6 +33,7 @@ register_rules(
     jvp=torch_call_jvp,
     transpose=torch_call_transpose,
     batch=torch_call_batch,
+    jet=torch_call_jet,
     lowering=partitionable(torch_call_lowering),  # NOTE [partitioning torch_call]
 )
 require_devices_during_lowering(torch_call_p)  # the partitioned lowering reads the mesh

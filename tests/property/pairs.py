@@ -74,6 +74,10 @@ class Pair:
     # different levels: "expand_dims" is then not drawn for stacks that hand
     # PyTorch two vmaps or more ("auto" falls back to the loop by itself).
     vmap_across_levels: bool = True
+    # False where jax.experimental.jet has no rule for a primitive the JAX
+    # version uses (reduce_prod, custom_linear_solve, cholesky, cumlogsumexp,
+    # a scalar select): no jet is drawn, there is no reference to hold it to.
+    jax_jet: bool = True
 
     def __repr__(self) -> str:
         return f"Pair({self.name})"
@@ -348,7 +352,7 @@ PAIRS: tuple[Pair, ...] = (
     Pair("log_sqrt", _t_log_sqrt, _j_log_sqrt, (POSITIVE,), _same(*ANY, n=1)),
     Pair("div_pow", _t_div_pow, _j_div_pow, (REAL, POSITIVE), _same((), (3,), (1, 3))),
     Pair("broadcast", _t_broadcast, _j_broadcast, (REAL, REAL), (((2, 3), (3,)), ((3,), ()), ((1, 3), (1,)))),
-    Pair("reduce", _t_reduce, _j_reduce, (REAL,), _same(*VECTORS, n=1)),
+    Pair("reduce", _t_reduce, _j_reduce, (REAL,), _same(*VECTORS, n=1), jax_jet=False),
     Pair("full_sum", _t_full_sum, _j_full_sum, (REAL,), _same((), (1,), (2, 3), n=1)),
     Pair("matmul", _t_matmul, _j_matmul, (REAL, REAL), (((2, 3), (3, 2)), ((3,), (3, 1)), ((1, 3), (3,)))),
     Pair("einsum", _t_einsum, _j_einsum, (REAL, REAL), (((2, 2, 3), (2, 3)), ((1, 3, 1), (1, 1)))),
@@ -375,9 +379,9 @@ PAIRS: tuple[Pair, ...] = (
     # wrong past the first batch element (torch 2.13 and 2.14).
     Pair(
         "solve", _t_solve, _j_solve, (SMALL, REAL), (((3, 3), (3,)), ((2, 2), (2, 3)), ((1, 1), (1,))),
-        differentiable_jvp=False, batchable_jvp=False,
+        differentiable_jvp=False, batchable_jvp=False, jax_jet=False,
     ),
-    Pair("cholesky", _t_cholesky, _j_cholesky, (SMALL,), _same((3, 3), (2, 2), (1, 1), n=1)),
+    Pair("cholesky", _t_cholesky, _j_cholesky, (SMALL,), _same((3, 3), (2, 2), (1, 1), n=1), jax_jet=False),
     # torch.func's third derivative of det is NaN (torch 2.13; plain autograd is right).
     # torch 2.11-2.14: torch.func.vmap(torch.func.jacfwd(torch.linalg.det))
     # over a batch of matrices is wrong past the first (the inner vmap leaves
@@ -386,14 +390,16 @@ PAIRS: tuple[Pair, ...] = (
     # (test_transforms.py, docs/transforms.md).
     Pair(
         "det", _t_det, _j_det, (SMALL,), _same((3, 3), (2, 2), (1, 1), n=1),
-        max_order=2, differentiable_jvp=False, batchable_jvp=False,
+        max_order=2, differentiable_jvp=False, batchable_jvp=False, jax_jet=False,
     ),
     Pair("where", _t_where, _j_where, (AWAY_FROM_ZERO, REAL), _same(*ANY)),
-    Pair("clamp", _t_clamp, _j_clamp, (Domain(-2.0, 2.0, avoid=(-1.0, 0.0, 1.0)),), _same(*ANY, n=1)),
+    Pair(
+        "clamp", _t_clamp, _j_clamp, (Domain(-2.0, 2.0, avoid=(-1.0, 0.0, 1.0)),), _same(*ANY, n=1), jax_jet=False
+    ),
     Pair("cumsum", _t_cumsum, _j_cumsum, (REAL,), _same(*VECTORS, n=1)),
     # torch 2.13: torch.func's third derivative of logcumsumexp over one
     # element is NaN (grad of grad of grad at x = [1.0]; the math gives 0).
-    Pair("cumprod", _t_cumprod, _j_cumprod, (POSITIVE,), _same(*VECTORS, n=1), max_order=2),
+    Pair("cumprod", _t_cumprod, _j_cumprod, (POSITIVE,), _same(*VECTORS, n=1), max_order=2, jax_jet=False),
     Pair("cross_entropy", _t_cross_entropy, _j_cross_entropy, (REAL, index(3)), (((2, 3), (2,)), ((1, 3), (1,)))),
     # torch 2.13-2.14: torch.vmap of mse_loss under two vmaps that batch its
     # two arguments at different levels fails ("The size of tensor a (6) must

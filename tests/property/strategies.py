@@ -7,7 +7,9 @@ order. ``grad`` and ``hessian`` need a scalar: they differentiate
 ``project(f(...))``, a fixed weighted sum of every output leaf (a weighted
 sum rather than a plain sum, so ``softmax``, whose entries sum to one, still
 has a gradient that says something). ``jvp`` and ``vjp`` push fixed tangents
-and cotangents made from the shape alone (``fixed_like``).
+and cotangents made from the shape alone (``fixed_like``), and ``jet`` fixed
+Taylor coefficients the same way (only for pairs whose JAX version
+``jax.experimental.jet`` has rules for: ``Pair.jax_jet``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import note
 from hypothesis import strategies as st
+from jax.experimental.jet import jet
 
 from pairs import PAIRS, Domain, Pair
 
@@ -155,6 +158,28 @@ class Vjp:
 
 
 @dataclasses.dataclass(frozen=True)
+class Jet:
+    """Taylor mode: ``jax.experimental.jet`` of order ``order`` along fixed
+    input coefficients of argument ``argnum``."""
+
+    argnum: int
+    order: int
+
+    def apply(self, f: Callable[..., Any]) -> Callable[..., Any]:
+        k, order = self.argnum, self.order
+
+        def jet_of_f(*args: Any) -> Any:
+            x = args[k]
+            coefficients = tuple(fixed_like(x, salt=0.2 * (i + 1)) for i in range(order))
+            return jet(_with_arg(f, args, k), (x,), (coefficients,))
+
+        return jet_of_f
+
+    def __repr__(self) -> str:
+        return f"jet(argnums={self.argnum}, order={self.order})"
+
+
+@dataclasses.dataclass(frozen=True)
 class Vmap:
     in_axes: tuple[int | None, ...]
     size: int
@@ -204,7 +229,7 @@ def derivative_order(stack: Sequence[Transform]) -> int:
 
 def forward_free(stack: Sequence[Transform]) -> bool:
     """Whether no transform of ``stack`` runs PyTorch's forward mode."""
-    return not any(isinstance(t, (Jvp, Jacfwd, Hessian)) for t in stack)
+    return not any(isinstance(t, (Jvp, Jacfwd, Hessian, Jet)) for t in stack)
 
 
 def vmap_over_forward_mode(stack: Sequence[Transform]) -> bool:
@@ -269,12 +294,17 @@ def transform_stacks(
             budget = 0  # nothing differentiates PyTorch's forward-mode formula
         kinds = ["jit", "vmap"] + (["grad", "jacfwd", "jacrev", "jvp", "vjp"] if budget >= 1 else [])
         kinds += ["hessian"] if budget >= 2 else []
+        kinds += ["jet"] if budget >= 1 and pair.jax_jet else []
         kind = draw(st.sampled_from(kinds))
         if kind == "jit":
             t: Transform = Jit()
         elif kind == "vmap":
             t = Vmap(draw(in_axes(current)), draw(st.sampled_from(BATCH_SIZES)))
             current = t.batched_shapes(current)
+        elif kind == "jet":
+            # Orders past the first differentiate PyTorch's forward-mode formula.
+            highest = min(budget, 3) if pair.differentiable_jvp else 1
+            t = Jet(draw(argnums), draw(st.integers(1, highest)))
         else:
             cls = {"grad": Grad, "hessian": Hessian, "jacfwd": Jacfwd, "jacrev": Jacrev, "jvp": Jvp, "vjp": Vjp}[kind]
             t = cls(draw(argnums))
