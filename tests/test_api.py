@@ -305,3 +305,10 @@ def test_batch_argnums_is_checked():
     h = t2j_ad.jaxify(lambda w, x: torch.tanh(x @ w), batch_argnums=1)
     w, x = jnp.linspace(-1.0, 1.0, 3), jnp.sin(jnp.arange(12.0)).reshape(4, 3)
     assert_tree_allclose(jax.jit(jax.grad(lambda w: h(w, x).sum()))(w), jax.grad(lambda w: jnp.tanh(x @ w).sum())(w))
+
+
+def test_jax_export_refuses_a_call_into_this_process():
+    # docs/transforms.md: a jaxify'd function cannot be serialized.
+    f = t2j_ad.jaxify(lambda x: torch.sin(x))
+    with pytest.raises(NotImplementedError, match="host_callbacks"):
+        jax.export.export(jax.jit(f))(jnp.ones(3))
