@@ -4,12 +4,12 @@ NOTE [checking a trace against eager]
 A trace runs on fake tensors, whose strides come from PyTorch's meta
 functions. Where those differ from what the real kernels give, a formula
 that branches on layout bakes the wrong branch into the graph. Seen with
-torch 2.13: ``view`` of a permuted tensor with a size-1 dim, then ``clone``
-of an ``expand`` of it, is non-contiguous on fake tensors and contiguous on
-real ones; the jvp of ``linalg.det`` reads its LU factors as those of A or of
-A^T by ``A.is_contiguous()``; so the graph of jacfwd of det under a size-1
-vmap over a middle axis (vmap_method="broadcast_all") returned the
-transposed derivative.
+torch 2.13 and 2.14.1: ``view`` of a permuted tensor with a size-1 dim, then
+``clone`` of an ``expand`` of it, is non-contiguous on fake tensors and
+contiguous on real ones; the jvp of ``linalg.det`` reads its LU factors as
+those of A or of A^T by ``A.is_contiguous()``; so the graph of jacfwd of det
+under a size-1 vmap over a middle axis (vmap_method="broadcast_all")
+returned the transposed derivative.
 
 Every layout decision a trace makes reads the fake strides of some node of
 the graph, so if every node's real result is laid out as its fake one was,

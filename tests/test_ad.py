@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_tree_allclose
+from jax.experimental.ode import odeint
 
 import t2j_ad
 
@@ -314,6 +315,35 @@ def test_inside_checkpoint():
         _j_vector,
         X,
         Y,
+    )
+
+
+def _integrated(f):
+    """An ODE with ``f`` in its vector field, solved by JAX's adaptive
+    Runge-Kutta ``odeint`` (a while loop), differentiated by its adjoint
+    method (a custom_vjp that integrates backwards)."""
+
+    def field(state, t, y):
+        return -0.7 * state + jnp.sin(t) * f(state, y)
+
+    def final(x, y):
+        return odeint(field, x, jnp.linspace(0.0, 1.0, 3), y)[-1]
+
+    return final
+
+
+def test_inside_odeint():
+    check(
+        {
+            "solve": lambda f: _integrated(f),
+            "adjoint_grad": lambda f: jax.grad(lambda x, y: _integrated(f)(x, y).sum(), argnums=(0, 1)),
+        },
+        t_vector,
+        _j_vector,
+        X,
+        Y,
+        rtol=1e-4,
+        atol=1e-4,
     )
 
 

@@ -21,6 +21,28 @@ def _j_solve(a, b):
     return jnp.linalg.solve(a + 3 * jnp.eye(a.shape[-1], dtype=a.dtype), b)
 
 
+def _t_det(a):
+    return torch.linalg.det(a + 2 * torch.eye(a.shape[-1], dtype=a.dtype, device=a.device))
+
+
+def _j_det(a):
+    return jnp.linalg.det(a + 2 * jnp.eye(a.shape[-1], dtype=a.dtype))
+
+
+def test_graph_mode_baked_a_layout_branch_its_fake_tensors_got_wrong():
+    """compile="graph" traced vmap(jacfwd(det)) over a size-1 batch at a
+    middle axis, with vmap_method="broadcast_all", into a graph returning the
+    transposed derivative: on torch 2.13's fake tensors a view and a clone
+    came out non-contiguous where the real ones are contiguous, and det's jvp
+    branches on is_contiguous() (NOTE [checking a trace against eager]).
+    Found by a long random run of the property suite in graph mode."""
+    a = jnp.asarray(np.random.default_rng(0).uniform(-0.5, 0.5, (3, 1, 3)), jnp.float32)
+    reference = jax.vmap(jax.jacfwd(_j_det), in_axes=1)(a)
+    for vmap_method in ("broadcast_all", "auto"):
+        f = t2j_ad.jaxify(_t_det, vmap_method=vmap_method, compile="graph")
+        assert_tree_allclose(jax.jit(jax.vmap(jax.jacfwd(f), in_axes=1))(a), reference)
+
+
 def test_jvp_of_vjp_under_no_grad_dropped_saved_tangents():
     """runtime.run_into ran every PyTorch call under torch.no_grad(). For
     torch.func.jvp over torch.func.vjp that silently drops the tangents of

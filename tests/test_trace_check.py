@@ -4,7 +4,7 @@ trace's (NOTE [checking a trace against eager] in t2j_ad/trace_check.py).
 Stand-ins force the check (a layout divergence) or a wrong graph, which no
 PyTorch version is guaranteed to give; results are held against pure JAX or
 against the same function run eagerly. The case that found it (jacfwd of det
-under a size-1 vmap) is in tests/property/test_transforms.py.
+under a size-1 vmap) is in tests/test_regressions.py.
 """
 
 from __future__ import annotations
