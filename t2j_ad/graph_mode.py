@@ -58,7 +58,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode  # private: NOTE [what a trace leaves behind]
 
 from .rules.fallbacks import provisional, warn_once
-from .trace_check import disagreement
+from .trace_check import FirstRunNotUndone, checked_first_run
 
 COMPILE_MODES = ("eager", "graph", "inductor")
 ENV_VAR = "T2J_AD_COMPILE"
@@ -236,29 +236,42 @@ class Artifact:
         self.compile_seconds = 0.0
 
 
-def _build_artifact(mode: str, impl: Flat, base: Any, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> Artifact:
+def _build_artifact(
+    mode: str, impl: Flat, base: Any, inputs: Sequence[torch.Tensor], grad_enabled: bool
+) -> tuple[Artifact, Any]:
+    """The artifact, and the first call's results when it ran (None if not;
+    the error that call must raise, if it cannot return a result)."""
     keep_fake_cuda_guard_alive()
+    start = time.perf_counter()
     try:
-        start = time.perf_counter()
         with provisional(base):
             graph = trace(impl, inputs, grad_enabled)
-        reason = disagreement(impl, graph, inputs, grad_enabled)  # NOTE [checking a trace against eager]
-        if reason is not None:
-            return Artifact(None, reason, traced=True)
-        traced = time.perf_counter()
-        run: Flat = graph.forward
-        if mode == "inductor":
-            run = compile_with_inductor(graph, inputs)
-        artifact = Artifact(run)
-        artifact.trace_seconds = traced - start
-        artifact.compile_seconds = time.perf_counter() - traced if mode == "inductor" else 0.0
     except Exception as err:  # noqa: BLE001 - any failure: run eagerly (NOTE [graph mode])
-        return Artifact(None, _reason(err))
+        return Artifact(None, _reason(err)), None
+    traced = time.perf_counter()
+    try:
+        first, dropped = checked_first_run(impl, graph, inputs, grad_enabled)  # NOTE [checking a trace against eager]
+    except FirstRunNotUndone as err:  # eagerly from the next call; this one fails
+        return Artifact(None, f"on its first call it {err.reason}", traced=True), err
+    except Exception as err:  # noqa: BLE001 - the graph does not run: eagerly
+        return Artifact(None, f"its first run failed: {_reason(err)}", traced=True), None
+    if dropped is not None:
+        return Artifact(None, dropped, traced=True), first
+    checked = time.perf_counter()
+    run: Flat = graph.forward
+    if mode == "inductor":
+        try:
+            run = compile_with_inductor(graph, inputs)
+        except Exception as err:  # noqa: BLE001 - the graph's first run stands; eagerly from now on
+            return Artifact(None, _reason(err)), first
+    artifact = Artifact(run)
+    artifact.trace_seconds = traced - start
+    artifact.compile_seconds = time.perf_counter() - checked if mode == "inductor" else 0.0
     if inputs and inputs[0].is_cuda:
         from .cuda_graphs import CudaGraphCall
 
         artifact.cuda_graph = CudaGraphCall(artifact.run, base.name)
-    return artifact
+    return artifact, first
 
 
 def _reason(err: BaseException) -> str:
@@ -273,23 +286,28 @@ def artifact_for(
     transforms: tuple[Any, ...],
     inputs: Sequence[torch.Tensor],
     grad_enabled: bool,
-) -> Artifact:
+) -> tuple[Artifact, Any]:
     """The traced (and for ``inductor`` compiled) form of one TorchFn, made at
-    its first call and cached on ``base`` by transforms and device."""
+    its first call and cached on ``base`` by transforms and device; and the
+    results of that first call when this call made it and ran it (None if
+    not: the caller runs the artifact itself)."""
     key = (transforms, inputs[0].device if inputs else None)
     cache: dict[Any, Artifact] = base.__dict__.setdefault("graphs", {})  # read by artifacts()
     artifact = cache.get(key)
     if artifact is not None:
-        return artifact
+        return artifact, None
     # Its own lock, not base.lock: build() takes that one, and a trace (an
     # inductor compile: seconds) must not hold up other TorchFns' builds.
     lock: threading.Lock = base.__dict__.setdefault("graph_lock", threading.Lock())
     with lock:
         artifact = cache.get(key)
-        if artifact is None:
-            artifact = _build_artifact(mode, impl, base, inputs, grad_enabled)
-            cache[key] = artifact
-    return artifact
+        if artifact is not None:
+            return artifact, None
+        artifact, first = _build_artifact(mode, impl, base, inputs, grad_enabled)
+        cache[key] = artifact
+    if isinstance(first, FirstRunNotUndone):
+        raise first
+    return artifact, first
 
 
 def artifacts(base: Any) -> list[Artifact]:

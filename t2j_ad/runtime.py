@@ -303,13 +303,14 @@ class _Runner:
 
     def _first_compiled_call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Trace (and compile) this TorchFn, then run it; eagerly if that fails."""
-        artifact = graph_mode.artifact_for(
+        artifact, first = graph_mode.artifact_for(
             self.compile, self.impl, self.base, self.transforms, inputs, self.grad_enabled
         )
         if artifact.run is None:
             # Eager, announced only once the eager call has worked: a function
-            # that fails eagerly too raises its own error, no warning.
-            results = self.impl(*inputs)
+            # that fails eagerly too raises its own error, no warning. A graph
+            # dropped after its first run hands back that call's results.
+            results = self.impl(*inputs) if first is None else first
             self.call = self.impl
             graph_mode.announce_fallback(self.base, self.name, self.compile, self.transforms, artifact)
             return results
@@ -320,7 +321,7 @@ class _Runner:
         # process-wide]); the trace itself ran under the lock.
         self.grad_enabled = False
         self.forward_ad = False
-        return artifact.run(*inputs)
+        return artifact.run(*inputs) if first is None else first
 
     def _replay_cuda_graph(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: torch.cuda.Stream

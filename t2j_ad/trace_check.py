@@ -13,15 +13,21 @@ returned the transposed derivative.
 
 Every layout decision a trace makes reads the fake strides of some node of
 the graph, so if every node's real result is laid out as its fake one was,
-the eager call would have decided the same way. The first run of each graph
-therefore goes through an interpreter that compares each node's real strides
-with the fake ones it was traced with (dims of size 0 or 1 aside: their
-strides mean nothing). Only where they differ is the graph checked against
-an eager run on copies of the same inputs, so the user's Python runs once
-more only for such graphs; both runs start from the same random state (they
-draw the same numbers, and the caller's generator is left where it was). A
-graph that disagrees is dropped and the function runs eagerly, announced by
-the usual FallbackWarning. Graph and eager run the same aten kernels, so they
+the eager call would have decided the same way. A graph's first run, the
+first call's own, therefore goes through an interpreter that compares each
+node's real strides with the fake ones it was traced with (dims of size 0 or
+1 aside: their strides mean nothing). Only where one differs is the graph
+checked against an eager run of the function (its Python runs a second time
+for such graphs alone), from the random state the first run started in. A
+graph that agrees keeps the first run's results and state; one that
+disagrees is dropped, the call returns the eager results, and the function
+runs eagerly from then on, announced by the usual FallbackWarning. Where the
+first run has written to tensors the function closes over (a module's
+running statistics: their version counters moved), that state cannot be set
+back: eager and a second graph run are then compared from the state the
+first run left, which is put back after each, and a graph that disagrees
+fails that one call (``FirstRunNotUndone``) rather than hand back results
+it cannot vouch for. Graph and eager run the same aten kernels, so they
 agree to rounding: the tolerance, half the dtype's digits relative to the
 output's largest entry, leaves room only for kernels that are not
 deterministic (atomic adds on a GPU), and none for a layout mix-up.
@@ -29,6 +35,7 @@ deterministic (atomic adds on a GPU), and none for a layout mix-up.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,7 +64,7 @@ class _LayoutChecker(torch.fx.Interpreter):
             self.diverged is None
             and isinstance(traced, torch.Tensor)
             and isinstance(result, torch.Tensor)
-            and result.layout == torch.strided
+            and result.layout == traced.layout == torch.strided
             and _layout(traced) != _layout(result)
         ):
             self.diverged = (
@@ -65,15 +72,6 @@ class _LayoutChecker(torch.fx.Interpreter):
                 f"traced as {tuple(traced.shape)} and {traced.stride()}"
             )
         return result
-
-
-def layout_divergence(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> str | None:
-    """The first node of ``graph`` whose real result on ``inputs`` is laid out
-    other than at trace time; None if none is."""
-    checker = _LayoutChecker(graph)
-    with torch.no_grad():
-        checker.run(*inputs)
-    return checker.diverged
 
 
 def _as_tuple(results: Any) -> tuple[Any, ...]:
@@ -106,29 +104,111 @@ def _mismatch(expected: torch.Tensor, actual: torch.Tensor) -> str | None:
     return f"entries off by up to {difference:.3g}, largest entry {scale:.3g}"
 
 
-def disagreement(
+def graph_constants(graph: torch.fx.GraphModule) -> list[torch.Tensor]:
+    """The tensors ``graph`` holds by reference (what the function closes over)."""
+    found: dict[int, torch.Tensor] = {}
+    for node in graph.graph.nodes:
+        if node.op == "get_attr":
+            value = operator.attrgetter(node.target)(graph)
+            if isinstance(value, torch.Tensor):
+                found[id(value)] = value
+    return list(found.values())
+
+
+class FirstRunNotUndone(RuntimeError):
+    """A graph disagreed with eager after its first run had written to tensors
+    the function updates in place: that call cannot be given eager's results.
+    ``reason`` says how it disagreed."""
+
+    def __init__(self, reason: str, written: int):
+        self.reason = reason
+        super().__init__(
+            f"compile='graph': on its first call the traced graph {reason}, and that call had already "
+            f"updated {written} tensor(s) the function writes in place (such as a module's buffers), "
+            f"which cannot be undone; so the call fails. Later calls run eagerly. Pass compile='eager' "
+            f"for this function to avoid this."
+        )
+
+
+class _State:
+    """The random generators of the CPU and of ``devices``, and ``tensors``'
+    values, as they are now: ``restore()`` sets them back."""
+
+    def __init__(self, devices: Sequence[int], tensors: Sequence[torch.Tensor] = ()):
+        self.devices = devices
+        self.tensors = tensors
+        self.cpu = torch.get_rng_state()
+        self.cuda = [torch.cuda.get_rng_state(d) for d in devices]
+        self.values = [t.detach().clone() for t in tensors]
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        for device, state in zip(self.devices, self.cuda):
+            torch.cuda.set_rng_state(state, device)
+        with torch.no_grad():
+            for tensor, value in zip(self.tensors, self.values):
+                tensor.copy_(value)
+
+
+def checked_first_run(
     impl: Flat, graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor], grad_enabled: bool
-) -> str | None:
-    """Why ``graph``, traced from ``impl`` (the eager callable, run with grad
-    mode ``grad_enabled``), does not compute what ``impl`` computes on
-    ``inputs``; None when it does (NOTE [checking a trace against eager])."""
+) -> tuple[Any, str | None]:
+    """The first call of ``graph``, traced from ``impl`` (the eager callable,
+    run with grad mode ``grad_enabled``), on ``inputs``: its results, and why
+    the graph must be dropped (the results are then ``impl``'s), or None
+    (NOTE [checking a trace against eager]). Raises ``FirstRunNotUndone``
+    when the graph is wrong but its first run has already updated state."""
     devices = sorted({t.device.index or 0 for t in inputs if t.is_cuda})
-    with torch.random.fork_rng(devices=devices):
-        diverged = layout_divergence(graph, [t.clone() for t in inputs])
+    constants = graph_constants(graph)
+    versions = [t._version for t in constants]
+    before = _State(devices)
+    results, diverged = run_checking_layouts(graph, inputs)
     if diverged is None:
-        return None
-    with torch.random.fork_rng(devices=devices), torch.autograd.set_grad_enabled(grad_enabled):
-        expected = _as_tuple(impl(*[t.clone() for t in inputs]))
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        actual = _as_tuple(graph(*[t.clone() for t in inputs]))
+        return results, None
+    written = [t for t, version in zip(constants, versions) if t._version != version]
+
+    def eager() -> Any:
+        with torch.autograd.set_grad_enabled(grad_enabled):
+            return impl(*[t.clone() for t in inputs])
+
+    if not written:
+        after = _State(devices)
+        before.restore()  # the eager run draws the numbers the first run drew
+        expected = eager()
+        reason = _disagreement(_as_tuple(expected), _as_tuple(results))
+        if reason is None:
+            after.restore()
+            return results, None
+        return expected, f"on its first call it {reason}, after a layout the trace did not foresee ({diverged})"
+    # The first run has updated state (a module's buffers) that cannot be set
+    # back: compare eager and graph from the state it left, and keep that state.
+    left = _State(devices, written)
+    expected = eager()
+    left.restore()
+    with torch.no_grad():
+        again = graph(*[t.clone() for t in inputs])
+    left.restore()
+    reason = _disagreement(_as_tuple(expected), _as_tuple(again))
+    if reason is None:
+        return results, None
+    raise FirstRunNotUndone(f"{reason}, after a layout the trace did not foresee ({diverged})", len(written))
+
+
+def run_checking_layouts(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> tuple[Any, str | None]:
+    """``graph``'s results on ``inputs``, and its first node whose real result
+    is laid out other than at trace time (None if none is)."""
+    checker = _LayoutChecker(graph)
+    with torch.no_grad():
+        results = checker.run(*inputs)
+    return (tuple(results) if isinstance(results, list) else results), checker.diverged
+
+
+def _disagreement(expected: tuple[Any, ...], actual: tuple[Any, ...]) -> str | None:
     if len(actual) != len(expected):
-        return f"the traced graph returned {len(actual)} outputs where the eager call returns {len(expected)}"
+        return f"returned {len(actual)} outputs where the eager call returns {len(expected)}"
     for i, (e, a) in enumerate(zip(expected, actual)):
         if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor):
             mismatch = _mismatch(e, a)
             if mismatch is not None:
-                return (
-                    f"on its first call it disagreed with the eager call on output {i} ({mismatch}), "
-                    f"after a layout the trace did not foresee ({diverged})"
-                )
+                return f"disagreed with the eager call on output {i} ({mismatch})"
     return None

@@ -29,7 +29,8 @@ def _fallbacks(record) -> list[str]:
 
 
 def _diverge_always(monkeypatch):
-    monkeypatch.setattr(trace_check, "layout_divergence", lambda graph, inputs: "a stand-in divergence")
+    run = trace_check.run_checking_layouts
+    monkeypatch.setattr(trace_check, "run_checking_layouts", lambda graph, inputs: (run(graph, inputs)[0], "a stand-in"))
 
 
 def test_a_graph_that_disagrees_with_eager_is_dropped_with_one_warning(monkeypatch):
@@ -48,7 +49,7 @@ def test_a_graph_that_disagrees_with_eager_is_dropped_with_one_warning(monkeypat
         assert_tree_allclose(f(x + 1), (x + 1) * 2)
     (message,) = _fallbacks(record)
     assert "dropped the traced graph" in message
-    assert "disagreed with the eager call on output 0" in message and "a stand-in divergence" in message
+    assert "disagreed with the eager call on output 0" in message and "(a stand-in)" in message
     assert "Python control flow" not in message  # the trace worked: no advice about tracing
 
 
@@ -85,14 +86,20 @@ def _relabel(graph: torch.fx.GraphModule, name: str, strides: tuple[int, ...]) -
         node.meta["val"] = torch.empty_strided(fake.shape, strides, dtype=fake.dtype)
 
 
-def test_layout_divergence_names_the_first_node_laid_out_unlike_its_trace():
+def _divergence(graph, inputs):
+    return trace_check.run_checking_layouts(graph, inputs)[1]
+
+
+def test_the_first_node_laid_out_unlike_its_trace_is_named():
     x = torch.randn(2, 3)
     graph = _traced(lambda x: ((x * 2).t().contiguous() + 1,), x)
-    assert trace_check.layout_divergence(graph, [x]) is None
+    results, divergence = trace_check.run_checking_layouts(graph, [x])
+    assert divergence is None
+    torch.testing.assert_close(results[0], (x * 2).t() + 1)
     names = [n.name for n in graph.graph.nodes if n.op == "call_function"]
     clone = next(n for n in names if n.startswith("clone"))
     _relabel(graph, clone, (1, 3))  # real: (2, 1), contiguous (3, 2)
-    divergence = trace_check.layout_divergence(graph, [x])
+    divergence = _divergence(graph, [x])
     assert divergence is not None and divergence.startswith(clone) and "(2, 1)" in divergence
 
 
@@ -101,7 +108,50 @@ def test_strides_of_size_one_dims_are_not_a_divergence():
     graph = _traced(lambda x: (x * 2,), x)
     mul = next(n.name for n in graph.graph.nodes if n.name.startswith("mul"))
     _relabel(graph, mul, (7, 1))  # the size-1 dim's stride means nothing
-    assert trace_check.layout_divergence(graph, [x]) is None
+    assert _divergence(graph, [x]) is None
+
+
+def test_graph_constants_are_the_tensors_a_graph_holds_by_reference():
+    norm = torch.nn.BatchNorm1d(3).train()
+    graph = graph_mode.trace(lambda x: (norm(x),), [torch.randn(4, 3)], False)
+    found = {id(t) for t in trace_check.graph_constants(graph)}
+    assert found == {id(t) for t in (*norm.parameters(), *norm.buffers())}
+
+
+def _accumulating(state):
+    def accumulate(x):
+        state.add_(x.sum())
+        return x * state
+
+    return accumulate
+
+
+@pytest.mark.parametrize("graph_is_wrong", [False, True], ids=["agrees", "disagrees"])
+def test_a_checked_first_call_updates_state_once(monkeypatch, graph_is_wrong):
+    # The first run's update stands; the check's runs put the state back.
+    _diverge_always(monkeypatch)
+    if graph_is_wrong:
+        original = graph_mode.trace
+        monkeypatch.setattr(
+            graph_mode, "trace", lambda fn, inputs, grad: original(lambda x: (fn(x)[0] + 1,), inputs, grad)
+        )
+    x = jnp.array([1.0, 2.0])
+    eager_state = torch.zeros((), device=TORCH_DEVICE)
+    eager = jax.jit(t2j_ad.jaxify(_accumulating(eager_state), compile="eager"))
+    expected = [np.asarray(eager(x)) for _ in range(2)]
+    state = torch.zeros((), device=TORCH_DEVICE)
+    f = jax.jit(t2j_ad.jaxify(_accumulating(state), compile="graph"))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        if graph_is_wrong:
+            # Its update cannot be undone, so the call cannot return eager's results.
+            with pytest.raises(Exception, match="cannot be undone"):
+                jax.block_until_ready(f(x))
+            np.testing.assert_array_equal(np.asarray(f(x)), expected[1])  # eagerly, from then on
+        else:
+            np.testing.assert_array_equal([np.asarray(f(x)) for _ in range(2)], expected)
+    assert float(state) == float(eager_state) == 6.0
+    assert len(_fallbacks(record)) == int(graph_is_wrong)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
