@@ -57,6 +57,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode  # private: NOTE [what a trace leaves behind]
 
+from .real_writes import RealWritesUndone
 from .rules.fallbacks import provisional, warn_once
 from .trace_check import FirstRunNotUndone, checked_first_run
 
@@ -166,7 +167,8 @@ def trace(fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> torch
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def run() -> torch.fx.GraphModule:
-        with torch.autograd.set_grad_enabled(grad_enabled):
+        # NOTE [trial runs do not write to real tensors]
+        with torch.autograd.set_grad_enabled(grad_enabled), RealWritesUndone():
             # _allow_non_fake_inputs: tensors the function closes over (module
             # buffers) become graph constants, held by reference.
             return make_fx(fn, _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)

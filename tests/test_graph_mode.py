@@ -10,6 +10,7 @@ artifacts' lifetime, threads, randomness, inductor and its on-disk cache.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import json
 import os
@@ -349,6 +350,23 @@ def test_buffers_are_held_by_reference_as_in_eager():
         with torch.no_grad():
             module.offset.add_(5.0)
         assert_tree_allclose(f(params, x), x + 5.0)
+
+
+def test_buffers_a_module_updates_are_updated_once_per_call_as_in_pytorch():
+    # NOTE [trial runs do not write to real tensors]: the trace used to add
+    # 1 to num_batches_tracked for real.
+    torch.manual_seed(0)
+    module = torch.nn.BatchNorm1d(3).to(TORCH_DEVICE).train()
+    twin = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module, compile="graph")
+    f = jax.jit(apply)
+    with no_fallback():
+        for k in range(3):
+            x = jnp.arange(12.0).reshape(4, 3) * (k + 1)
+            assert_tree_allclose(f(params, x), to_numpy(twin(to_torch(x))), rtol=1e-5, atol=1e-5)
+    assert int(module.num_batches_tracked) == int(twin.num_batches_tracked) == 3
+    assert_tree_allclose(to_numpy(module.running_mean), to_numpy(twin.running_mean))
+    assert_tree_allclose(to_numpy(module.running_var), to_numpy(twin.running_var))
 
 
 # ------------------------------------------------------- threads, lifetime

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from conftest import assert_tree_allclose, run_in_threads
+from conftest import TORCH_DEVICE, assert_tree_allclose, run_in_threads, to_numpy, to_torch
 
 import t2j_ad
 
@@ -173,3 +173,20 @@ def test_broadcast_all_passes_copies_not_overlapping_views():
     assert_tree_allclose(
         jax.jit(jax.vmap(jax.jacfwd(ours), in_axes=1))(x), jax.vmap(jax.jacfwd(_j_reduce), in_axes=1)(x)
     )
+
+
+def test_shape_inference_ran_the_module_and_updated_its_buffers():
+    """Inference of a BatchNorm1d(momentum=None) in training mode: its meta
+    run added 1 to num_batches_tracked for real (an op on a real 0-d tensor),
+    then failed, and the run on zeros averaged a batch of zeros into the
+    running statistics (NOTE [trial runs do not write to real tensors])."""
+    torch.manual_seed(0)
+    module = torch.nn.BatchNorm1d(3, momentum=None).to(TORCH_DEVICE).train()
+    twin = torch.nn.BatchNorm1d(3, momentum=None).to(TORCH_DEVICE).train()
+    apply, params = t2j_ad.jaxify_module(module, compile="eager")
+    for k in range(3):
+        x = jnp.arange(12.0).reshape(4, 3) * (k + 1)
+        assert_tree_allclose(jax.jit(apply)(params, x), to_numpy(twin(to_torch(x))))
+    assert int(module.num_batches_tracked) == int(twin.num_batches_tracked) == 3
+    assert_tree_allclose(to_numpy(module.running_mean), to_numpy(twin.running_mean))
+    assert_tree_allclose(to_numpy(module.running_var), to_numpy(twin.running_var))
