@@ -123,7 +123,7 @@ class FirstRunNotUndone(RuntimeError):
     def __init__(self, reason: str, written: int):
         self.reason = reason
         super().__init__(
-            f"compile='graph': on its first call the traced graph {reason}, and that call had already "
+            f"on its first call the traced graph {reason}, and that call had already "
             f"updated {written} tensor(s) the function writes in place (such as a module's buffers), "
             f"which cannot be undone; so the call fails. Later calls run eagerly. Pass compile='eager' "
             f"for this function to avoid this."
