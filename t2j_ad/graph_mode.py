@@ -34,7 +34,9 @@ gone from the graph: what is left is the aten ops they issued.
   both modes; inductor is told to keep those ops (``fallback_random``).
   Under ``vmap`` random ops are refused in every mode (``randomness="error"``).
 - Constants the function closes over (a module's buffers) are held by
-  reference, as in eager: in-place updates to them are seen.
+  reference, as in eager: in-place updates to them are seen. A trace that
+  reads their values into Python is refused (NOTE [values a graph would
+  keep] in trace_refusals.py).
 - Artifacts live on the ``BaseFn``, keyed by the transform tuple and the
   device (NOTE [a compiled function on several devices] in runtime.py), so
   equal TorchFns share them; they die with the function
@@ -60,6 +62,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # private: NOTE [what 
 from .real_writes import RealWritesUndone
 from .rules.fallbacks import provisional, warn_once
 from .trace_check import FirstRunNotUndone, checked_first_run
+from .trace_refusals import refuse_scalar_reads, refusing_closed_over_reads
 
 COMPILE_MODES = ("eager", "graph", "inductor")
 ENV_VAR = "T2J_AD_COMPILE"
@@ -100,13 +103,6 @@ def _forget_sources(keys: Sequence[str]) -> None:
         if loader is not None:
             loader.eval_cache.pop(key, None)
         linecache.cache.pop(key, None)
-
-
-class NotTraceable(RuntimeError):
-    """The function's Python needs tensor values, so no graph can stand for it."""
-
-
-_SCALAR_READ = torch.ops.aten._local_scalar_dense.default
 
 
 def _plain_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None):  # noqa: ANN001, ANN202
@@ -170,8 +166,11 @@ def trace(fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> torch
         # NOTE [trial runs do not write to real tensors]
         with torch.autograd.set_grad_enabled(grad_enabled), RealWritesUndone():
             # _allow_non_fake_inputs: tensors the function closes over (module
-            # buffers) become graph constants, held by reference.
-            return make_fx(fn, _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+            # buffers) become graph constants, held by reference; their values
+            # stay out of Python (NOTE [values a graph would keep]).
+            return make_fx(
+                refusing_closed_over_reads(fn), _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True
+            )(*inputs)
 
     # NOTE [what a trace leaves behind]: make_fx sets a fresh, uniquely named
     # ContextVar per call (config.patch), which would stay in this thread's
@@ -195,11 +194,7 @@ def trace(fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> torch
     graph.recompile()
     _forget_sources([traced_source])
     weakref.finalize(graph, _forget_sources, [_source_key(graph)])
-    for node in graph.graph.nodes:
-        if node.op == "call_function" and node.target is _SCALAR_READ:
-            raise NotTraceable(
-                "it reads a tensor's value into Python (.item(), float(), int() or bool() of a tensor)"
-            )
+    refuse_scalar_reads(graph)
     return graph
 
 

@@ -369,6 +369,112 @@ def test_buffers_a_module_updates_are_updated_once_per_call_as_in_pytorch():
     assert_tree_allclose(to_numpy(module.running_var), to_numpy(twin.running_var))
 
 
+# -------------------------------- values of tensors a function closes over
+# NOTE [values a graph would keep]: make_fx hands Python the trace-time value
+# of a closed-over tensor, which the graph would keep. Each function below
+# reads `STATE`, which changes between calls; the JAX twin gets its value.
+
+STATE = torch.zeros(2, device=TORCH_DEVICE)
+STATES = ([1.5, 2.5], [-1.0, 0.0], [0.0, 3.0])
+X32 = jnp.asarray(RNG.standard_normal((3, 2)), jnp.float32)
+
+READS_REFUSED = {
+    # name: (torch fn of x closing over STATE, JAX twin of (x, state), the refused read)
+    "float": (lambda x: x * float(STATE[0]), lambda x, s: x * s[0], "_local_scalar_dense"),
+    "item_of_a_computed_tensor": (
+        lambda x: x * (STATE * 2).sum().item(),
+        lambda x, s: x * (s * 2).sum(),
+        "_local_scalar_dense",
+    ),
+    "tolist": (lambda x: x * STATE.tolist()[1], lambda x, s: x * s[1], "Tensor.tolist"),
+    "numpy": (lambda x: x * float(STATE.numpy()[1]), lambda x, s: x * s[1], "Tensor.numpy"),
+    "branch": (
+        lambda x: x * 2 if STATE[0] > 0 else -x,
+        lambda x, s: jnp.where(s[0] > 0, x * 2, -x),
+        "_local_scalar_dense",
+    ),
+    "equal": (
+        lambda x: x * 3 if torch.equal(STATE, STATE.abs()) else x,
+        lambda x, s: jnp.where(jnp.all(s >= 0), x * 3, x),
+        "aten.equal",
+    ),
+    "boolean_mask": (lambda x: x[:, STATE > 0].sum(1), lambda x, s: (x * (s > 0)).sum(1), "aten.index"),
+    "nonzero": (lambda x: x[:, STATE.nonzero()[:, 0]].sum(1), lambda x, s: (x * (s != 0)).sum(1), "aten.nonzero"),
+}
+
+
+@pytest.mark.parametrize("mode", ["graph", "inductor"])
+@pytest.mark.parametrize("name", list(READS_REFUSED))
+def test_reading_a_closed_over_tensors_value_runs_eagerly(name, mode):
+    if name == "numpy" and TORCH_DEVICE.type != "cpu":
+        pytest.skip("Tensor.numpy() of a CUDA tensor fails eagerly too; the read is what is tested")
+    torch_fn, jax_fn, read = READS_REFUSED[name]
+    f = jax.jit(t2j_ad.jaxify(torch_fn, compile=mode))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for state in STATES:
+            STATE.copy_(torch.tensor(state))
+            assert_tree_allclose(f(X32), jax_fn(X32, jnp.asarray(state, jnp.float32)))
+    messages = _compile_warnings(record)
+    assert len(messages) == 1, messages
+    assert "closes over" in messages[0] and read in messages[0], messages[0]
+
+
+READS_KEPT = {
+    # used as a tensor, the value stays in the graph, which holds STATE by reference
+    "tensor_op": (lambda x: x * STATE[0], lambda x, s: x * s[0]),
+    # a constant the function makes itself is the same on every call
+    "literal_item": (lambda x: x * torch.tensor(2.0).item() * STATE, lambda x, s: x * 2.0 * s),
+    # an integer index tensor gives its shape, not its values, to the result
+    "integer_index": (lambda x: x[:, (STATE > 0).long()], lambda x, s: x[:, (s > 0).astype(jnp.int32)]),
+}
+
+
+@pytest.mark.parametrize("name", list(READS_KEPT))
+def test_closed_over_tensors_used_as_tensors_still_trace(name, traces):
+    torch_fn, jax_fn = READS_KEPT[name]
+    f = jax.jit(t2j_ad.jaxify(torch_fn, compile="graph"))
+    with no_fallback():
+        for state in STATES:
+            STATE.copy_(torch.tensor(state))
+            assert_tree_allclose(f(X32), jax_fn(X32, jnp.asarray(state, jnp.float32)))
+    assert len(traces) == 1
+
+
+def test_a_read_of_a_closed_over_value_under_grad_runs_eagerly():
+    def loss(x):
+        return (x * float(STATE.sum())).pow(2).sum()
+
+    f = jax.jit(jax.grad(t2j_ad.jaxify(loss, compile="graph")))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for state in STATES:
+            STATE.copy_(torch.tensor(state))
+            scale = float(np.sum(state))
+            assert_tree_allclose(f(X32), jax.grad(lambda x: ((x * scale) ** 2).sum())(X32))
+    messages = _compile_warnings(record)
+    assert len(messages) == 1 and "transforms: Vjp" in messages[0] and "closes over" in messages[0], messages
+
+
+def test_batchnorm_averaging_by_its_batch_count_matches_pytorch():
+    # BatchNorm1d(momentum=None) divides by float(num_batches_tracked): the
+    # graph kept a count of 1, so the running statistics were the last batch's.
+    torch.manual_seed(0)
+    module = torch.nn.BatchNorm1d(3, momentum=None).to(TORCH_DEVICE).train()
+    twin = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module, compile="graph")
+    f = jax.jit(apply)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for k in range(3):
+            x = jnp.arange(12.0).reshape(4, 3) * (k + 1)
+            assert_tree_allclose(f(params, x), to_numpy(twin(to_torch(x))), rtol=1e-5, atol=1e-5)
+    assert len(_compile_warnings(record)) == 1
+    assert int(module.num_batches_tracked) == int(twin.num_batches_tracked) == 3
+    assert_tree_allclose(to_numpy(module.running_mean), to_numpy(twin.running_mean))
+    assert_tree_allclose(to_numpy(module.running_var), to_numpy(twin.running_var))
+
+
 # ------------------------------------------------------- threads, lifetime
 
 

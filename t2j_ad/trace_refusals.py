@@ -1,0 +1,147 @@
+"""What a graph-mode trace refuses: values that would leave the graph.
+
+NOTE [values a graph would keep]
+A trace runs the function once, on fake tensors, and keeps the aten ops it
+issued. Whatever the function's Python computes from a tensor's value is not
+an op: the trace would keep the number it got that once, and every replay
+would reuse it. Such a function must run eagerly. Two ways in:
+
+- The value of an input. Fake tensors hold none, so ``.item()``, ``if
+  x.sum() > 0`` or NumPy on an input already fail the trace; a read that
+  slips through as a graph node (``aten._local_scalar_dense``) is refused by
+  ``refuse_scalar_reads``.
+- The value of a tensor the function closes over (a module's buffer, a
+  global tensor). Those are real, and ``make_fx`` treats them as constants:
+  it computes ops on them for real and hands Python the real number.
+  ``x / float(count)`` with ``count`` bumped in place on every call came back
+  as ``x / 1`` on every call, and ``BatchNorm1d(momentum=None)`` in training
+  mode averaged by a batch count of 1. So the trace runs inside
+  ``closed_over_reads_refused``: a dispatch mode follows every tensor computed
+  from a real one and refuses an aten op that reads such a tensor's value
+  into Python (``item``, ``float()``, ``bool()``, ``torch.equal``) or whose
+  output shape depends on its values (``nonzero``, boolean indexing,
+  ``repeat_interleave``: the trace would keep that shape), and a
+  torch-function mode refuses the reads that never reach the dispatcher
+  (``.tolist()``, ``.numpy()``, ``numpy.asarray``) of a real tensor.
+
+Ops on closed-over tensors that keep their values inside the graph are fine:
+the graph holds the tensor by reference and sees in-place updates. Constants
+the function makes itself (``torch.tensor(2.0)``) are the same on every call,
+so reading them is fine too (``aten.lift_fresh`` starts nothing). A tensor
+the function makes with ``torch.from_numpy`` is real as well, and reading it
+back is refused alike: the price is an eager run, never a wrong result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import is_fake  # private: fake or functorch-wrapped fake
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode  # private, as in real_writes.py
+
+
+class NotTraceable(RuntimeError):
+    """The function's Python needs tensor values, so no graph can stand for it."""
+
+
+_SCALAR_READ = torch.ops.aten._local_scalar_dense.default
+
+
+def refuse_scalar_reads(graph: torch.fx.GraphModule) -> None:
+    """Raise ``NotTraceable`` if ``graph`` reads a scalar back into Python."""
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and node.target is _SCALAR_READ:
+            raise NotTraceable(
+                "it reads a tensor's value into Python (.item(), float(), int() or bool() of a tensor)"
+            )
+
+
+_aten = torch.ops.aten
+# Ops that hand a tensor's value to Python.
+_VALUE_READS = frozenset({_aten._local_scalar_dense.default, _aten.item.default, _aten.equal.default})
+# torch.tensor(literal): a fresh constant, the same on every call.
+_FRESH_CONSTANTS = frozenset({_aten.lift_fresh.default, _aten.lift_fresh_copy.default})
+_MASK_DTYPES = (torch.bool, torch.uint8)
+# Python-level reads that never reach the dispatcher.
+_PYTHON_READS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__})
+
+
+def _refusal(what: str) -> NotTraceable:
+    return NotTraceable(
+        f"it {what} of a tensor it closes over (a module's buffer, a global tensor) or one computed "
+        f"from it, which the graph would keep from its trace; use that tensor in tensor ops instead "
+        f"(x / count, not x / float(count))"
+    )
+
+
+class _ClosedOverFollower(TorchDispatchMode):
+    """Follows tensors computed from real (closed-over) ones; refuses aten
+    ops that would read their values or take a shape from them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._derived: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def from_closed_over(self, t: torch.Tensor) -> bool:
+        if not is_fake(t):
+            return True
+        ref = self._derived.get(id(t))
+        return ref is not None and ref() is t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        followed = func not in _FRESH_CONSTANTS and any(
+            self.from_closed_over(a) for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)
+        )
+        if followed:
+            if func in _VALUE_READS:
+                raise _refusal(f"reads the value ({func})")
+            if torch.Tag.dynamic_output_shape in func.tags and self._shape_from_values(func, args):
+                raise _refusal(f"takes a shape from the values ({func})")
+        out = func(*args, **kwargs)
+        if followed:
+            for o in pytree.tree_leaves(out):
+                if isinstance(o, torch.Tensor):
+                    self._derived[id(o)] = weakref.ref(o)
+        return out
+
+    def _shape_from_values(self, func: Any, args: tuple[Any, ...]) -> bool:
+        if func is _aten.index.Tensor:  # only boolean masks decide the shape
+            indices = args[1] if len(args) > 1 else ()
+            return any(
+                isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES and self.from_closed_over(i) for i in indices
+            )
+        return True
+
+
+class _PythonReadRefuser(TorchFunctionMode):
+    """Refuses ``.tolist()``, ``.numpy()`` and ``__array__`` of a real tensor."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func in _PYTHON_READS and args and isinstance(args[0], torch.Tensor) and not is_fake(args[0]):
+            raise _refusal(f"reads the values (Tensor.{func.__name__})")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def closed_over_reads_refused() -> Iterator[None]:
+    """Within the block (a trace), a read of a closed-over tensor's value
+    raises ``NotTraceable`` (NOTE [values a graph would keep])."""
+    with _PythonReadRefuser(), _ClosedOverFollower():
+        yield
+
+
+def refusing_closed_over_reads(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, run inside ``closed_over_reads_refused``: what ``make_fx`` traces."""
+
+    def traced(*args: Any) -> Any:
+        with closed_over_reads_refused():
+            return fn(*args)
+
+    return traced
