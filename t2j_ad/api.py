@@ -310,7 +310,8 @@ class JaxifiedFunction:
 
     def compile_stats(self) -> dict[str, float]:
         """What ``compile="graph"``/``"inductor"`` made so far, over every input
-        signature and transform stack: ``graphs`` (traced TorchFns),
+        signature and transform stack: ``graphs`` (traced TorchFns, one per
+        setting of the training flags of the modules they run),
         ``eager_fallbacks`` (TorchFns that could not be traced and run
         eagerly), ``trace_seconds`` and ``compile_seconds`` (inductor) spent."""
         artifacts = [a for entry in list(self._cache.values()) for a in graph_mode.artifacts(entry.base)]

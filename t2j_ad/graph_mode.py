@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode  # private: NOTE [what a trace leaves behind]
 
+from .module_modes import ModuleModes, modes_hold, recording_module_modes
 from .real_writes import RealWritesUndone
 from .rules.fallbacks import provisional, warn_once
 from .trace_check import FirstRunNotUndone, checked_first_run
@@ -220,9 +221,10 @@ def compile_with_inductor(graph: torch.fx.GraphModule, inputs: Sequence[torch.Te
 
 
 class Artifact:
-    """What one TorchFn runs on one device: a callable, or eager with a reason."""
+    """What one TorchFn runs on one device, while the modules it ran keep
+    their training flags: a callable, or eager with a reason."""
 
-    __slots__ = ("run", "reason", "traced", "cuda_graph", "trace_seconds", "compile_seconds")
+    __slots__ = ("run", "reason", "traced", "cuda_graph", "trace_seconds", "compile_seconds", "modes")
 
     def __init__(self, run: Flat | None, reason: str | None = None, traced: bool = False):
         self.run = run
@@ -231,6 +233,7 @@ class Artifact:
         self.cuda_graph: Any = None  # cuda_graphs.CudaGraphCall, on CUDA
         self.trace_seconds = 0.0
         self.compile_seconds = 0.0
+        self.modes: ModuleModes = ()  # NOTE [a graph per training mode]
 
 
 def _build_artifact(
@@ -285,26 +288,38 @@ def artifact_for(
     grad_enabled: bool,
 ) -> tuple[Artifact, Any]:
     """The traced (and for ``inductor`` compiled) form of one TorchFn, made at
-    its first call and cached on ``base`` by transforms and device; and the
-    results of that first call when this call made it and ran it (None if
-    not: the caller runs the artifact itself)."""
-    key = (transforms, inputs[0].device if inputs else None)
+    its first call and cached on ``base`` by transforms, device and the
+    training flags of the modules it runs (NOTE [a graph per training
+    mode]); and the results of that first call when this call made it and ran
+    it (None if not: the caller runs the artifact itself)."""
+    where = (transforms, inputs[0].device if inputs else None)
     cache: dict[Any, Artifact] = base.__dict__.setdefault("graphs", {})  # read by artifacts()
-    artifact = cache.get(key)
+    artifact = _holding(cache, where)
     if artifact is not None:
         return artifact, None
     # Its own lock, not base.lock: build() takes that one, and a trace (an
     # inductor compile: seconds) must not hold up other TorchFns' builds.
     lock: threading.Lock = base.__dict__.setdefault("graph_lock", threading.Lock())
     with lock:
-        artifact = cache.get(key)
+        artifact = _holding(cache, where)
         if artifact is not None:
             return artifact, None
-        artifact, first = _build_artifact(mode, impl, base, inputs, grad_enabled)
-        cache[key] = artifact
+        with recording_module_modes() as recorder:
+            artifact, first = _build_artifact(mode, impl, base, inputs, grad_enabled)
+        artifact.modes = recorder.modes()
+        cache[(*where, tuple((id(m), flag) for m, flag in artifact.modes))] = artifact
     if isinstance(first, FirstRunNotUndone):
         raise first
     return artifact, first
+
+
+def _holding(cache: dict[Any, Artifact], where: tuple[Any, Any]) -> Artifact | None:
+    """The artifact cached for ``where`` (transforms, device) whose modules
+    have the training flags they were traced with, if any."""
+    for key, artifact in list(cache.items()):
+        if key[:2] == where and modes_hold(artifact.modes):
+            return artifact
+    return None
 
 
 def artifacts(base: Any) -> list[Artifact]:

@@ -20,6 +20,7 @@ from . import graph_mode
 from .convert import jax_dtype
 from .cuda_streams import external_stream, run_on_stream
 from .malloc_tuning import tune_malloc
+from .module_modes import ModuleModes, modes_hold
 from .torch_fn import Jvp, TorchFn
 from .transforms import build
 
@@ -172,6 +173,10 @@ class _Runner:
         # are cast on copy (see NOTE [64-bit outputs] in api.py): None.
         self.dtypes = (None,) * self.n_out if fun.transforms else fun.base.torch_out_dtypes
         self.forward_ad = any(isinstance(t, Jvp) for t in fun.transforms)
+        self._untraced = (self.grad_enabled, self.forward_ad)  # restored by _forget_graph
+        # The modules the graph in use ran, with their training flags when it
+        # was traced (NOTE [a graph per training mode]); () when there is none.
+        self.modes: ModuleModes = ()
         # Outputs on another device than the call's are refused by name. On a
         # CPU-only PyTorch the only other device is meta, which copy_ refuses
         # anyway, so only a CUDA build pays for comparing devices per output.
@@ -197,6 +202,8 @@ class _Runner:
         if stream:
             self._on_stream(inputs, outputs, stream)
             return
+        if self.modes and not modes_hold(self.modes):
+            self._forget_graph()
         if self.forward_ad and not getattr(_forward_ad_held, "held", False):
             self._serialized(inputs, outputs)
             return
@@ -292,6 +299,8 @@ class _Runner:
     def _on_current_stream(
         self, target: torch.cuda.Stream, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
     ) -> None:
+        if self.modes and not modes_hold(self.modes):
+            self._forget_graph()
         # A replay reads copies of the inputs, so the eager check must first
         # have seen the function leave them alone (NOTE [CUDA graph replay]).
         if (
@@ -303,9 +312,12 @@ class _Runner:
 
     def _first_compiled_call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Trace (and compile) this TorchFn, then run it; eagerly if that fails."""
+        # Traced with grad mode as a transformed call needs it, whatever a
+        # concurrent first call has since set self.grad_enabled to.
         artifact, first = graph_mode.artifact_for(
-            self.compile, self.impl, self.base, self.transforms, inputs, self.grad_enabled
+            self.compile, self.impl, self.base, self.transforms, inputs, self._untraced[0]
         )
+        self.modes = artifact.modes
         if artifact.run is None:
             # Eager, announced only once the eager call has worked: a function
             # that fails eagerly too raises its own error, no warning. A graph
@@ -322,6 +334,15 @@ class _Runner:
         self.grad_enabled = False
         self.forward_ad = False
         return artifact.run(*inputs) if first is None else first
+
+    def _forget_graph(self) -> None:
+        """Back to before the first call: a module the graph in use ran has
+        changed its training flag, so the next call finds, or traces, the
+        graph for the flags as they are now (NOTE [a graph per training mode])."""
+        self.grad_enabled, self.forward_ad = self._untraced  # before call: a thread seeing one sees both
+        self.modes = ()
+        self.cuda_graph = None
+        self.call = self._first_compiled_call
 
     def _replay_cuda_graph(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: torch.cuda.Stream

@@ -475,6 +475,96 @@ def test_batchnorm_averaging_by_its_batch_count_matches_pytorch():
     assert_tree_allclose(to_numpy(module.running_var), to_numpy(twin.running_var))
 
 
+# ------------------------------------------ a module's training flag
+# NOTE [a graph per training mode]: a graph traced in training mode kept
+# dropping out and normalizing by batch statistics after module.eval().
+
+
+class _NormThenDrop(torch.nn.Module):
+    """Both halves depend on the training flag, deterministically: batch or
+    running statistics, and a dropout of 1 (zeros in training, identity in eval)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 3)
+        self.norm = torch.nn.BatchNorm1d(3)
+        self.drop = torch.nn.Dropout(1.0)
+
+    def forward(self, x):
+        h = self.norm(self.linear(x))
+        return h, self.drop(h) + x
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_module_follows_train_and_eval_as_in_pytorch(mode, traces):
+    torch.manual_seed(0)
+    module = _NormThenDrop().to(TORCH_DEVICE).train()
+    twin = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
+    f = jax.jit(apply)
+    with no_fallback():
+        for k, training in enumerate((True, True, False, False, True, False)):
+            module.train(training)
+            twin.train(training)
+            x = jnp.arange(12.0).reshape(4, 3) * (k + 1)
+            assert_tree_allclose(f(params, x), tuple(map(to_numpy, twin(to_torch(x)))), rtol=1e-5, atol=1e-5)
+    assert_tree_allclose(to_numpy(module.norm.running_mean), to_numpy(twin.norm.running_mean))
+    assert int(module.norm.num_batches_tracked) == int(twin.norm.num_batches_tracked) == 3
+    # one graph per setting of the flags, each traced once
+    assert len(traces) == (2 if mode == "graph" else 0)
+
+
+def test_a_function_closing_over_a_module_follows_its_flag_under_grad(traces):
+    drop = torch.nn.Dropout(1.0).to(TORCH_DEVICE)
+
+    def loss(x):
+        return (drop(x) * x).sum()
+
+    f = jax.jit(jax.grad(t2j_ad.jaxify(loss, compile="graph")))
+    x = jnp.arange(3.0)
+    with no_fallback():
+        for training in (True, False, True):
+            drop.train(training)
+            expected = jnp.zeros(3) if training else 2 * x
+            assert_tree_allclose(f(x), expected)
+    assert len(traces) == 2
+
+
+def test_a_module_whose_training_trace_is_refused_traces_in_eval():
+    # BatchNorm1d(momentum=None) reads its batch count only in training mode
+    # (NOTE [values a graph would keep]); in eval mode it traces.
+    module = torch.nn.BatchNorm1d(3, momentum=None).to(TORCH_DEVICE).train()
+    twin = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module, compile="graph")
+    f = jax.jit(apply)
+    x = jnp.arange(12.0).reshape(4, 3)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for training in (True, False, True, False):
+            module.train(training)
+            twin.train(training)
+            assert_tree_allclose(f(params, x), to_numpy(twin(to_torch(x))), rtol=1e-5, atol=1e-5)
+    assert len(_compile_warnings(record)) == 1
+    stats = apply.jaxified.compile_stats()
+    assert (stats["graphs"], stats["eager_fallbacks"]) == (1, 1)
+
+
+def test_modules_run_on_other_threads_during_a_trace_are_not_recorded():
+    from t2j_ad.module_modes import modes_hold, recording_module_modes
+
+    mine, theirs = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    with recording_module_modes() as recorder:
+        mine(torch.ones(2))
+        mine(torch.ones(2))
+        run_in_threads(lambda i: theirs(torch.ones(2)), 2)
+    assert [m for m, _ in recorder.modes()] == [mine]
+    assert modes_hold(recorder.modes())
+    theirs.eval()
+    assert modes_hold(recorder.modes())
+    mine.eval()
+    assert not modes_hold(recorder.modes())
+
+
 # ------------------------------------------------------- threads, lifetime
 
 
