@@ -60,10 +60,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode  # private: NOTE [what a trace leaves behind]
 
 from .module_modes import ModuleModes, modes_hold, recording_module_modes
-from .real_writes import RealWritesUndone
+from .real_writes import trial_run
 from .rules.fallbacks import provisional, warn_once
 from .trace_check import FirstRunNotUndone, checked_first_run
-from .trace_refusals import refuse_scalar_reads, refusing_closed_over_reads
+from .trace_refusals import refuse_rebound_attributes, refuse_scalar_reads, refusing_closed_over_reads
 
 COMPILE_MODES = ("eager", "graph", "inductor")
 ENV_VAR = "T2J_AD_COMPILE"
@@ -165,13 +165,15 @@ def trace(fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> torch
 
     def run() -> torch.fx.GraphModule:
         # NOTE [trial runs do not write to real tensors]
-        with torch.autograd.set_grad_enabled(grad_enabled), RealWritesUndone():
+        with torch.autograd.set_grad_enabled(grad_enabled), trial_run() as attributes:
             # _allow_non_fake_inputs: tensors the function closes over (module
             # buffers) become graph constants, held by reference; their values
             # stay out of Python (NOTE [values a graph would keep]).
-            return make_fx(
+            graph = make_fx(
                 refusing_closed_over_reads(fn), _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True
             )(*inputs)
+        refuse_rebound_attributes(attributes.rebound)
+        return graph
 
     # NOTE [what a trace leaves behind]: make_fx sets a fresh, uniquely named
     # ContextVar per call (config.patch), which would stay in this thread's

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .convert import torch_dtype
-from .real_writes import RealWritesUndone
+from .real_writes import trial_run
 from .runtime import InputMutationError, TorchCallError
 from .torch_fn import Aval
 
@@ -42,7 +42,7 @@ def _run(fn: Callable[..., Any], avals: Sequence[Aval], device: torch.device, na
     make = torch.empty if device == _META else torch.zeros
     inputs = [make(a.shape, dtype=torch_dtype(a.dtype), device=device) for a in avals]
     versions = [t._version for t in inputs]
-    with torch.no_grad(), RealWritesUndone():  # NOTE [trial runs do not write to real tensors]
+    with torch.no_grad(), trial_run():  # NOTE [trial runs do not write to real tensors]
         outputs = fn(*inputs)
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
     if mutated:

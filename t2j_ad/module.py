@@ -168,8 +168,12 @@ def jaxify_module(
 
     def forward(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         on_device = buffers.on(_call_device(params, args, kwargs))
+        # On their own device the module runs on its buffers as they are, so a
+        # forward that binds a new buffer keeps it, as in PyTorch
+        # (functional_call puts back whatever it was given); elsewhere on copies.
+        tensors = params if on_device is buffers.home else (params, on_device)
         with in_module:
-            return torch.func.functional_call(module, (params, on_device), args, kwargs)
+            return torch.func.functional_call(module, tensors, args, kwargs)
 
     forward.__qualname__ = f"{type(module).__name__}.forward"
     nums = check_batch_argnums(batch_argnums)

@@ -15,10 +15,22 @@ whose meta run failed (``BatchNorm1d(momentum=None)`` reads the count with
 runs go through a dispatch mode that copies a real tensor's value before its
 first in-place write, and puts every such value back when the run ends. The
 calls themselves make the writes, once each, as in PyTorch.
+
+A module's ``forward`` may also rebind an attribute to a new tensor
+(``self.ema = 0.5 * self.ema + 0.5 * x``): the zeros run halved such an
+average, and a trace left the module holding fake tensors for good. So a
+module whose ``forward`` runs on the trial run's thread has its parameters,
+buffers and tensor attributes noted when it starts, and any it rebound put
+back when it ends, returned or raised (PyTorch's global forward hooks). A
+graph cannot replay a rebinding, which is Python, so a trace that made one is
+refused (``trace_refusals.refuse_rebound_attributes``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -51,3 +63,66 @@ class RealWritesUndone(TorchDispatchMode):
                 tensor.copy_(value)
         self.saved.clear()
         return result
+
+
+_ABSENT = object()
+
+
+def _attribute_tables(module: torch.nn.Module) -> tuple[dict[str, Any], ...]:
+    return (module._parameters, module._buffers, module.__dict__)
+
+
+class ModuleAttributesKept:
+    """Within the block, each tensor a module's ``forward`` on this thread
+    binds to one of its names (parameter, buffer or plain attribute) is
+    unbound again when that ``forward`` ends, the old value put back;
+    ``rebound`` names each as ``Class.name``."""
+
+    def __init__(self) -> None:
+        self.rebound: list[str] = []
+        self._thread = threading.get_ident()
+        self._open: list[tuple[torch.nn.Module, tuple[dict[str, Any], ...]]] = []
+
+    def _starts(self, module: torch.nn.Module, args: Any) -> None:
+        if threading.get_ident() == self._thread:
+            self._open.append((module, tuple(dict(table) for table in _attribute_tables(module))))
+
+    def _ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        for i in range(len(self._open) - 1, -1, -1):  # this module's innermost forward
+            if self._open[i][0] is module:
+                _, before = self._open.pop(i)
+                break
+        else:
+            return
+        for table, saved in zip(_attribute_tables(module), before):
+            for name in [*saved, *(n for n in table if n not in saved)]:
+                old, new = saved.get(name, _ABSENT), table.get(name, _ABSENT)
+                if old is not new and (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):
+                    if old is _ABSENT:
+                        del table[name]
+                    else:
+                        table[name] = old
+                    self.rebound.append(f"{type(module).__name__}.{name}")
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[ModuleAttributesKept]:
+        hooks = torch.nn.modules.module
+        starts = hooks.register_module_forward_pre_hook(self._starts)
+        ends = hooks.register_module_forward_hook(self._ends, always_call=True)
+        try:
+            yield self
+        finally:
+            starts.remove()
+            ends.remove()
+
+
+@contextlib.contextmanager
+def trial_run() -> Iterator[ModuleAttributesKept]:
+    """A run of the user's function made only to learn something: the real
+    tensors it closes over, and the attributes of the modules it runs, are
+    as they were when the block ends (NOTE [trial runs do not write to real
+    tensors]); yields what records the attributes it rebound."""
+    with ModuleAttributesKept().watching() as attributes, RealWritesUndone():
+        yield attributes

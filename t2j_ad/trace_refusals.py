@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +60,18 @@ def refuse_scalar_reads(graph: torch.fx.GraphModule) -> None:
             raise NotTraceable(
                 "it reads a tensor's value into Python (.item(), float(), int() or bool() of a tensor)"
             )
+
+
+def refuse_rebound_attributes(rebound: Sequence[str]) -> None:
+    """Raise ``NotTraceable`` if the trace rebound module attributes (NOTE
+    [trial runs do not write to real tensors]): a graph cannot replay that."""
+    if rebound:
+        names = ", ".join(dict.fromkeys(rebound))
+        raise NotTraceable(
+            f"a module's forward binds a new tensor to {names}, a Python side effect the graph cannot replay; "
+            f"update the tensor in place instead (self.ema.mul_(0.9).add_(x, alpha=0.1)) to keep the graph, "
+            f"and use torch.nn.utils.parametrizations for weight or spectral norm"
+        )
 
 
 _aten = torch.ops.aten

@@ -1,0 +1,131 @@
+"""Trial runs (graph mode's trace, shape inference) leave the modules they run
+as they found them: NOTE [trial runs do not write to real tensors].
+
+Each end-to-end result is held against PyTorch's own module on the same
+inputs; the attribute bookkeeping is checked on plain modules.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+from conftest import TORCH_DEVICE, assert_tree_allclose, run_in_threads, to_numpy, to_torch
+
+import t2j_ad
+from t2j_ad.real_writes import ModuleAttributesKept, trial_run
+from t2j_ad.rules.fallbacks import FallbackWarning
+
+
+class _Averaging(torch.nn.Module):
+    """Keeps running averages by binding new tensors in forward: a registered
+    buffer and a plain attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.full((3,), 8.0))
+        self.plain = torch.full((3,), 8.0)
+
+    def forward(self, x):
+        self.ema = 0.5 * self.ema + 0.5 * x.detach()
+        self.plain = 0.5 * self.plain + 0.5 * x.detach()
+        return x * self.ema
+
+
+def _closure(module, mode):
+    return t2j_ad.jaxify(lambda x: module(x), compile=mode)
+
+
+def _jaxify_module(module, mode):
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
+    return lambda x: apply(params, x)
+
+
+@pytest.mark.parametrize("wrap", [_closure, _jaxify_module], ids=["closure", "jaxify_module"])
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_forward_that_binds_new_tensors_matches_pytorch(mode, wrap):
+    # Inference ran a closure on zeros (it closes over real tensors), which
+    # halved both averages; a trace left the module holding fake tensors; and
+    # jaxify_module's functional_call put the old buffer back after each call.
+    module, twin = _Averaging().to(TORCH_DEVICE), _Averaging().to(TORCH_DEVICE)
+    module.plain, twin.plain = module.plain.to(TORCH_DEVICE), twin.plain.to(TORCH_DEVICE)
+    f = jax.jit(wrap(module, mode))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for k in range(3):
+            x = jnp.arange(3.0) * (k + 1)
+            assert_tree_allclose(f(x), to_numpy(twin(to_torch(x))))
+            assert_tree_allclose(to_numpy(module.ema), to_numpy(twin.ema))
+            assert_tree_allclose(to_numpy(module.plain), to_numpy(twin.plain))
+    assert type(module.ema) is torch.Tensor and type(module.plain) is torch.Tensor
+    fallbacks = [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
+    if mode == "eager":
+        assert fallbacks == []
+    else:
+        # A graph cannot replay Python's rebinding: eager, with one warning naming it.
+        assert len(fallbacks) == 1 and "_Averaging.ema, _Averaging.plain" in fallbacks[0], fallbacks
+
+
+class _Binds(torch.nn.Module):
+    def __init__(self, fail: bool = False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(2))
+        self.register_buffer("count", torch.zeros(()))
+        self.cache = None
+        self.fail = fail
+
+    def forward(self, x):
+        self.weight = torch.nn.Parameter(self.weight * 2)
+        self.count = self.count + 1
+        self.cache = x
+        self.extra = x
+        if self.fail:
+            raise ValueError("after binding")
+        return x
+
+
+def _state(module):
+    return (module.weight, module.count, module.cache, "extra" in vars(module))
+
+
+def test_bindings_made_in_forward_are_undone_when_it_ends():
+    module = _Binds()
+    before = _state(module)
+    with ModuleAttributesKept().watching() as kept:
+        out = torch.nn.Sequential(module)(torch.ones(2))
+        assert _state(module)[0] is before[0]  # put back as soon as that forward ended
+    assert torch.equal(out, torch.ones(2))
+    after = _state(module)
+    assert all(a is b for a, b in zip(after[:3], before[:3])) and after[3] is False
+    assert kept.rebound == ["_Binds.weight", "_Binds.count", "_Binds.cache", "_Binds.extra"]
+
+
+def test_bindings_are_undone_when_forward_raises():
+    module = _Binds(fail=True)
+    before = _state(module)
+    with ModuleAttributesKept().watching() as kept, pytest.raises(ValueError, match="after binding"):
+        module(torch.ones(2))
+    assert all(a is b for a, b in zip(_state(module)[:3], before[:3]))
+    assert len(kept.rebound) == 4
+
+
+def test_modules_run_on_other_threads_keep_their_bindings():
+    mine, theirs = _Binds(), _Binds()
+    with ModuleAttributesKept().watching() as kept:
+        run_in_threads(lambda i: theirs(torch.ones(2)), 1)
+        mine(torch.ones(2))
+    assert float(theirs.count) == 1.0 and float(mine.count) == 0.0
+    assert all(name.startswith("_Binds.") for name in kept.rebound) and len(kept.rebound) == 4
+
+
+def test_a_trial_run_undoes_in_place_writes_and_bindings_together():
+    module = _Binds()
+    buffer = module.count
+    with trial_run() as attributes:
+        module(torch.ones(2))
+        buffer.add_(5.0)
+    assert module.count is buffer and float(buffer) == 0.0
+    assert "_Binds.count" in attributes.rebound
