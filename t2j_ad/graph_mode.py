@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode  # private: NOTE [what a trace leaves behind]
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .module_modes import ModuleModes, modes_hold, recording_module_modes
 from .real_writes import trial_run
@@ -192,13 +193,152 @@ def trace(fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> torch
     # the shape checks of PyTorch's ZeroTensor fallback (meta-device copies,
     # which fail if replayed). Random ops count as impure, so the graph draws
     # the same numbers as eager.
-    traced_source = _source_key(graph)
     graph.graph.eliminate_dead_code()
-    graph.recompile()
-    _forget_sources([traced_source])
-    weakref.finalize(graph, _forget_sources, [_source_key(graph)])
+    _recompile(graph)
     refuse_scalar_reads(graph)
     return graph
+
+
+def _recompile(graph: torch.fx.GraphModule) -> None:
+    """``graph.recompile()``, its old source forgotten now and its new one
+    when it dies (``_forget_sources``)."""
+    old = _source_key(graph)
+    graph.recompile()
+    _forget_sources([old])
+    weakref.finalize(graph, _forget_sources, [_source_key(graph)])
+
+
+# NOTE [results written into XLA's buffers]
+# A compiled graph returns fresh tensors, which the runner then copies into
+# the output buffers XLA gave the call: one more pass over every output, where
+# XLA writes its own results in place. For per-example gradients (a 2 MB
+# weight gradient) the copies took 160 of a 445 us call, more than the
+# compiled kernels themselves (125 us). So on the CPU a graph takes one more
+# argument per output, a buffer laid out as XLA's (row-major; the C++ handler
+# hands DLPack no strides), and ends by copying each result into its buffer
+# (``writing_into_outputs``). Inductor then stores a result straight into it
+# (an extern bmm gets it as out=, a fused kernel writes there): the call took
+# 145 us. A replayed aten graph would only move the copy, so there the op
+# that allocates a result is rewritten to its out= overload, writing into
+# the buffer, where the result is that op's value or a view of it laid out
+# alike (``computing_outputs_in_place``); the other results are copied. The
+# runner uses such a graph once a call has shown that the function leaves
+# its inputs alone, after checking once that XLA's buffers are laid out as
+# expected; it copies results otherwise. Results cast on copy (64-bit into
+# 32-bit buffers) keep the copy. On CUDA a CUDA graph replays into its own
+# static outputs (NOTE [CUDA graph replay]) and keeps returning results.
+
+
+_INTO_BUFFER = "t2j_ad_into_buffer"  # meta key of the copies writing_into_outputs appends
+
+
+def writing_into_outputs(graph: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
+    """``graph`` taking one more argument per output, a buffer, into which it
+    copies that result (cast to the buffer's dtype), returning nothing; its
+    constants are ``graph``'s own objects. None if an output is not a tensor
+    the graph computes or takes."""
+    body = torch.fx.Graph()
+    results = body.graph_copy(graph.graph, {})
+    if not isinstance(results, (tuple, list)) or not all(isinstance(r, torch.fx.Node) for r in results):
+        return None
+    last = [node for node in body.nodes if node.op == "placeholder"][-1:]
+    buffers = []
+    for i in range(len(results)):
+        with body.inserting_after(buffers[-1] if buffers else (last[0] if last else None)):
+            buffers.append(body.placeholder(f"out_{i}"))
+    for buffer, result in zip(buffers, results):
+        body.call_function(torch.ops.aten.copy_.default, (buffer, result)).meta[_INTO_BUFFER] = True
+    body.output(())
+    into = torch.fx.GraphModule(graph, body)  # get_attr constants: graph's objects, not copies
+    weakref.finalize(into, _forget_sources, [_source_key(into)])
+    return into
+
+
+def computing_outputs_in_place(into: torch.fx.GraphModule) -> int:
+    """Rewrite ``into`` (from ``writing_into_outputs``) so that the op that
+    allocates a result writes it into its buffer (its ``out=`` overload),
+    where the result is that op's value, or a view of it, laid out alike; the
+    copy into that buffer goes. How many results it rewrote."""
+    graph = into.graph
+    claimed: set[torch.fx.Node] = set()
+    rewritten = 0
+    for copy in [node for node in graph.nodes if node.meta.get(_INTO_BUFFER)]:
+        buffer, result = copy.args
+        source = result
+        while (up := _aliased_argument(source)) is not None:
+            source = up
+        out_op = _out_overload(source)
+        if source in claimed or out_op is None or not _same_layout(source, result):
+            continue
+        out_name = next(a.name for a in out_op._schema.arguments if a.is_out)
+        with graph.inserting_before(source):
+            target = graph.call_function(torch.ops.aten.view.default, (buffer, list(source.meta["val"].shape)))
+            written = graph.call_function(out_op, source.args, {**source.kwargs, out_name: target})
+        written.meta = dict(source.meta)
+        source.replace_all_uses_with(written)
+        graph.erase_node(source)
+        graph.erase_node(copy)
+        claimed.add(written)
+        rewritten += 1
+    if rewritten:
+        graph.lint()
+        _recompile(into)
+    return rewritten
+
+
+def _aliased_argument(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node whose memory ``node``'s result is (a view, an in-place op),
+    if any."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not node.args:
+        return None
+    returns, arguments = target._schema.returns, target._schema.arguments
+    aliases = target is torch.ops.aten._unsafe_view.default or (
+        len(returns) == 1
+        and returns[0].alias_info is not None
+        and arguments[0].alias_info is not None
+        and returns[0].alias_info.before_set == arguments[0].alias_info.before_set
+    )
+    first = node.args[0]
+    return first if aliases and isinstance(first, torch.fx.Node) else None
+
+
+def _out_overload(node: torch.fx.Node) -> Any:
+    """The ``out=`` overload of ``node``'s op with its arguments, if any."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    schema = target._schema
+    if len(schema.returns) != 1 or schema.returns[0].alias_info is not None:
+        return None
+    arguments = [(a.name, str(a.type)) for a in schema.arguments]
+    packet = target.overloadpacket
+    for name in packet.overloads():
+        overload = getattr(packet, name)
+        outs = [a for a in overload._schema.arguments if a.is_out]
+        rest = [(a.name, str(a.type)) for a in overload._schema.arguments if not a.is_out]
+        if len(outs) == 1 and rest == arguments and len(overload._schema.returns) == 1:
+            return overload
+    return None
+
+
+def _same_layout(source: torch.fx.Node, result: torch.fx.Node) -> bool:
+    """Whether ``result``, laid out row-major in its buffer, is ``source``'s
+    value written into that buffer: the same memory (the trace's fake
+    tensors say), entries in the same order, read the same way (one dtype,
+    no lazy conjugation or negation)."""
+    a, b = source.meta.get("val"), result.meta.get("val")
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and StorageWeakRef(a.untyped_storage()) == StorageWeakRef(b.untyped_storage())
+        and a.dtype == b.dtype
+        and a.numel() == b.numel()
+        and a.is_contiguous()
+        and b.is_contiguous()
+        and a.storage_offset() == b.storage_offset() == 0
+        and not (a.is_conj() or b.is_conj() or a.is_neg() or b.is_neg())
+    )
 
 
 def compile_with_inductor(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> Flat:
@@ -226,10 +366,17 @@ class Artifact:
     """What one TorchFn runs on one device, while the modules it ran keep
     their training flags: a callable, or eager with a reason."""
 
-    __slots__ = ("run", "reason", "traced", "cuda_graph", "trace_seconds", "compile_seconds", "modes")
+    __slots__ = (
+        "run", "run_into", "into_strides", "reason", "traced", "cuda_graph", "trace_seconds", "compile_seconds", "modes"
+    )
 
     def __init__(self, run: Flat | None, reason: str | None = None, traced: bool = False):
         self.run = run
+        # run_into(inputs, outputs): the results written into ``outputs``,
+        # buffers with strides ``into_strides`` (NOTE [results written into
+        # XLA's buffers]); None where only ``run`` exists.
+        self.run_into: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None] | None = None
+        self.into_strides: tuple[tuple[int, ...], ...] = ()
         self.reason = reason  # why it runs eagerly, when run is None
         self.traced = traced  # whether it runs eagerly although the trace worked
         self.cuda_graph: Any = None  # cuda_graphs.CudaGraphCall, on CUDA
@@ -238,8 +385,11 @@ class Artifact:
         self.modes: ModuleModes = ()  # NOTE [a graph per training mode]
 
 
+OutSpecs = Sequence[tuple[torch.Size, torch.dtype]]  # each output buffer's shape and dtype
+
+
 def _build_artifact(
-    mode: str, impl: Flat, base: Any, inputs: Sequence[torch.Tensor], grad_enabled: bool
+    mode: str, impl: Flat, base: Any, inputs: Sequence[torch.Tensor], grad_enabled: bool, out_specs: OutSpecs
 ) -> tuple[Artifact, Any]:
     """The artifact, and the first call's results when it ran (None if not;
     the error that call must raise, if it cannot return a result)."""
@@ -260,13 +410,14 @@ def _build_artifact(
     if dropped is not None:
         return Artifact(None, dropped, traced=True), first
     checked = time.perf_counter()
-    run: Flat = graph.forward
+    artifact = Artifact(graph.forward)
     if mode == "inductor":
         try:
-            run = compile_with_inductor(graph, inputs)
+            _compile(artifact, graph, inputs, out_specs)
         except Exception as err:  # noqa: BLE001 - the graph's first run stands; eagerly from now on
             return Artifact(None, _reason(err)), first
-    artifact = Artifact(run)
+    elif _writes_into(graph, inputs, out_specs):
+        _replay_in_place(artifact, graph, out_specs)
     artifact.trace_seconds = traced - start
     artifact.compile_seconds = time.perf_counter() - checked if mode == "inductor" else 0.0
     if inputs and inputs[0].is_cuda:
@@ -274,6 +425,69 @@ def _build_artifact(
 
         artifact.cuda_graph = CudaGraphCall(artifact.run, base.name)
     return artifact, first
+
+
+def _compile(
+    artifact: Artifact, graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor], out_specs: OutSpecs
+) -> None:
+    """Set ``artifact``'s callables to ``graph`` compiled by inductor, on the
+    CPU writing into the output buffers where that can be done (NOTE [results
+    written into XLA's buffers])."""
+    into = writing_into_outputs(graph) if _writes_into(graph, inputs, out_specs) else None
+    if into is not None:
+        buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in out_specs]
+        try:
+            compiled = compile_with_inductor(into, [*inputs, *buffers])
+        except Exception:  # noqa: BLE001 - compile the graph as it is
+            into = None
+    if into is None:
+        artifact.run = compile_with_inductor(graph, inputs)
+        return
+
+    def run_into(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        compiled(*inputs, *outputs)
+
+    def run(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = tuple(torch.empty(shape, dtype=dtype) for shape, dtype in out_specs)
+        compiled(*inputs, *outputs)
+        return outputs
+
+    artifact.run, artifact.run_into = run, run_into
+    artifact.into_strides = tuple(b.stride() for b in buffers)
+
+
+def _replay_in_place(artifact: Artifact, graph: torch.fx.GraphModule, out_specs: OutSpecs) -> None:
+    """Give ``artifact`` a replay of ``graph`` whose ops write results into
+    the output buffers, where it has such ops (NOTE [results written into
+    XLA's buffers]); a replay that would only copy into them gains nothing."""
+    into = writing_into_outputs(graph)
+    if into is None:
+        return
+    if not computing_outputs_in_place(into):
+        _forget_sources([_source_key(into)])
+        return
+
+    def run_into(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        into(*inputs, *outputs)
+
+    artifact.run_into = run_into
+    artifact.into_strides = tuple(torch.empty(shape, dtype=dtype, device="meta").stride() for shape, dtype in out_specs)
+
+
+def _writes_into(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor], out_specs: OutSpecs) -> bool:
+    """Whether ``graph`` may write into buffers of ``out_specs``: on the CPU,
+    when it returns exactly those shapes and dtypes (a call whose results
+    differ, or are cast on copy, keeps the runner's checks and copies)."""
+    if not inputs or inputs[0].device.type != "cpu":
+        return False
+    (results,) = [node.args[0] for node in graph.graph.nodes if node.op == "output"]
+    if not isinstance(results, (tuple, list)) or len(results) != len(out_specs):
+        return False
+    traced = [r.meta.get("val") if isinstance(r, torch.fx.Node) else None for r in results]
+    return all(
+        isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype
+        for t, (shape, dtype) in zip(traced, out_specs)
+    )
 
 
 def _reason(err: BaseException) -> str:
@@ -288,6 +502,7 @@ def artifact_for(
     transforms: tuple[Any, ...],
     inputs: Sequence[torch.Tensor],
     grad_enabled: bool,
+    out_specs: OutSpecs,
 ) -> tuple[Artifact, Any]:
     """The traced (and for ``inductor`` compiled) form of one TorchFn, made at
     its first call and cached on ``base`` by transforms, device and the
@@ -307,7 +522,7 @@ def artifact_for(
         if artifact is not None:
             return artifact, None
         with recording_module_modes() as recorder:
-            artifact, first = _build_artifact(mode, impl, base, inputs, grad_enabled)
+            artifact, first = _build_artifact(mode, impl, base, inputs, grad_enabled, out_specs)
         artifact.modes = recorder.modes()
         cache[(*where, tuple((id(m), flag) for m, flag in artifact.modes))] = artifact
     if isinstance(first, FirstRunNotUndone):

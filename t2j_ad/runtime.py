@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import graph_mode
-from .convert import jax_dtype
+from .convert import jax_dtype, torch_dtype
 from .cuda_streams import external_stream, run_on_stream
 from .malloc_tuning import tune_malloc
 from .module_modes import ModuleModes, modes_hold
@@ -126,6 +126,9 @@ def _call_device(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
     return torch.cuda.current_device()
 
 
+# What a call that wrote XLA's buffers itself returns instead of results.
+_WRITTEN = object()
+
 # Looked up once: the runner's hot path calls these on every call.
 _Tensor = torch.Tensor
 _get_num_threads = torch.get_num_threads
@@ -163,6 +166,11 @@ class _Runner:
         self.direct_single = direct is not None and fun.base.direct_single
         self.call = direct or (self._first_compiled_call if self.compile != "eager" else self.impl)
         self.cuda_graph = None  # cuda_graphs.CudaGraphCall, set by the first call
+        # call_into(inputs, outputs): a compiled graph writing XLA's output
+        # buffers itself, set by the first call where there is one (NOTE
+        # [results written into XLA's buffers] in graph_mode.py).
+        self.call_into = None
+        self.into_artifact: graph_mode.Artifact | None = None
         self.out_avals = fun.out_avals
         self.out_names = (
             fun.base.out_names if not fun.transforms else tuple(f"output {i}" for i in range(len(fun.out_avals)))
@@ -219,7 +227,11 @@ class _Runner:
         _set_grad_enabled(self.grad_enabled)
         try:
             try:
-                results = self.call(*inputs)  # one tensor if direct_single
+                if checked and self.call_into is not None:
+                    self.call_into(inputs, outputs)
+                    results = _WRITTEN
+                else:
+                    results = self.call(*inputs)  # one tensor if direct_single
             except TorchCallError:
                 raise
             except Exception as err:
@@ -234,6 +246,8 @@ class _Runner:
                     self._refuse_mutation(inputs)
             if not checked:
                 self.base.mutation_checked = True
+            if results is _WRITTEN:
+                return
             try:
                 if self.direct_single:
                     out = outputs[0]
@@ -314,8 +328,9 @@ class _Runner:
         """Trace (and compile) this TorchFn, then run it; eagerly if that fails."""
         # Traced with grad mode as a transformed call needs it, whatever a
         # concurrent first call has since set self.grad_enabled to.
+        out_specs = tuple((shape, torch_dtype(a.dtype)) for shape, a in zip(self.shapes, self.out_avals))
         artifact, first = graph_mode.artifact_for(
-            self.compile, self.impl, self.base, self.transforms, inputs, self._untraced[0]
+            self.compile, self.impl, self.base, self.transforms, inputs, self._untraced[0], out_specs
         )
         self.modes = artifact.modes
         if artifact.run is None:
@@ -328,12 +343,27 @@ class _Runner:
             return results
         self.call = artifact.run
         self.cuda_graph = artifact.cuda_graph
+        if artifact.run_into is not None:
+            self.into_artifact, self.call_into = artifact, self._first_call_into
         # The graph holds every derivative explicitly: no autograd at replay,
         # and no forward-AD level to serialize (NOTE [forward AD is
         # process-wide]); the trace itself ran under the lock.
         self.grad_enabled = False
         self.forward_ad = False
         return artifact.run(*inputs) if first is None else first
+
+    def _first_call_into(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        """Write into XLA's buffers from now on if they are laid out as the
+        compiled graph expects, else copy results into them as usual (NOTE
+        [results written into XLA's buffers] in graph_mode.py)."""
+        artifact = self.into_artifact
+        if tuple(o.stride() for o in outputs) == artifact.into_strides:
+            self.call_into = artifact.run_into
+            artifact.run_into(inputs, outputs)
+        else:
+            self.call_into = None
+            for out, r in zip(outputs, self.call(*inputs)):
+                out.copy_(r)
 
     def _forget_graph(self) -> None:
         """Back to before the first call: a module the graph in use ran has
@@ -342,6 +372,7 @@ class _Runner:
         self.grad_enabled, self.forward_ad = self._untraced  # before call: a thread seeing one sees both
         self.modes = ()
         self.cuda_graph = None
+        self.call_into = self.into_artifact = None
         self.call = self._first_compiled_call
 
     def _replay_cuda_graph(

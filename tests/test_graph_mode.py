@@ -705,6 +705,129 @@ def test_inductor_matches_torch_func_and_keeps_custom_rules():
     assert stats["compile_seconds"] > 0  # really compiled, not the traced graph
 
 
+def _only_artifact(f):
+    (artifact,) = [a for entry in f._cache.values() for a in graph_mode.artifacts(entry.base)]
+    return artifact
+
+
+def test_inductor_writes_results_into_xlas_buffers():
+    # NOTE [results written into XLA's buffers]: from the second call on, the
+    # compiled graph stores its results in XLA's output buffers itself.
+    f = t2j_ad.jaxify(_t_loss, compile="inductor")
+    per_example = jax.jit(jax.vmap(jax.grad(f, argnums=(0, 1)), in_axes=(None, 0, 0)))
+    reference = jax.jit(jax.vmap(jax.grad(_j_loss, argnums=(0, 1)), in_axes=(None, 0, 0)))
+    with no_fallback():
+        assert_tree_allclose(per_example(W, XS, YS), reference(W, XS, YS), rtol=1e-5, atol=1e-5)
+    artifact = _only_artifact(f)
+    if TORCH_DEVICE.type != "cpu":
+        assert artifact.run_into is None  # a CUDA graph replays into its own outputs
+        return
+    assert artifact.run_into is not None
+    written, original = [], artifact.run_into
+    artifact.run_into = lambda inputs, outputs: (written.append(len(outputs)), original(inputs, outputs))[1]
+    for scale in (0.5, 2.0, -1.0):
+        got = per_example(W * scale, XS + scale, YS)
+        assert_tree_allclose(got, reference(W * scale, XS + scale, YS), rtol=1e-5, atol=1e-5)
+    assert written == [2, 2, 2]
+
+
+_CONSTANT = torch.arange(4.0, device=TORCH_DEVICE)
+
+
+def _mm_then_scale_in_place(x, w):
+    y = x @ w
+    y.mul_(2)
+    return (y,)
+
+
+IN_PLACE_CASES = {
+    # name: (function of x (3, 2) and w (2, 4), how many results the replay computes in place)
+    "matmul": (lambda x, w: (x @ w,), 1),
+    "the_same_result_twice": (lambda x, w: ((x @ w),) * 2, 1),
+    "a_view_laid_out_alike": (lambda x, w: ((x @ w).reshape(-1),), 1),
+    "a_transposed_view": (lambda x, w: ((x @ w).T,), 0),
+    "an_in_place_op_after": (_mm_then_scale_in_place, 1),
+    "a_result_used_again": (lambda x, w: (x @ w, torch.tanh(x @ w) * 2), 2),
+    "a_view_of_another_result": (lambda x, w: ((y := x @ w), y.reshape(-1)), 1),
+    "an_input": (lambda x, w: (x, x + 1), 1),
+    "a_constant": (lambda x, w: (_CONSTANT, x.sum() + _CONSTANT), 1),
+    # a lazily conjugated view reads the same memory as the conjugate
+    "a_conjugated_view": (lambda x, w: ((x.to(torch.complex64) @ w.to(torch.complex64)).conj(),), 0),
+}
+
+
+@pytest.mark.parametrize("name", list(IN_PLACE_CASES))
+def test_a_replay_computing_results_in_their_buffers_matches_the_graph(name):
+    # NOTE [results written into XLA's buffers]: graph_mode.computing_outputs_in_place
+    fn, in_place = IN_PLACE_CASES[name]
+    x = torch.randn(3, 2, device=TORCH_DEVICE)
+    w = torch.randn(2, 4, device=TORCH_DEVICE)
+    graph = graph_mode.trace(fn, [x, w], False)
+    expected = [r.clone() for r in graph(x, w)]
+    into = graph_mode.writing_into_outputs(graph)
+    assert graph_mode.computing_outputs_in_place(into) == in_place
+    buffers = [torch.full(r.shape, float("nan"), dtype=r.dtype, device=TORCH_DEVICE) for r in expected]
+    into(x, w, *buffers)
+    for got, want in zip(buffers, expected):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(_CONSTANT, torch.arange(4.0, device=TORCH_DEVICE))  # constants untouched
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_graphs_replayed_into_xlas_buffers_match_pure_jax(name):
+    f = t2j_ad.jaxify(_t_loss, compile="graph")
+    transform = TRANSFORMS[name]
+    batched = "per_example" in name or "vmap" in name
+    xs, ys = (XS, YS) if batched else (XS[0], YS[0])
+    ours, reference = jax.jit(transform(f)), jax.jit(transform(_j_loss))
+    with no_fallback():
+        assert_tree_allclose(ours(W, xs, ys), reference(W, xs, ys), rtol=1e-5, atol=1e-5)
+    written = []
+    for artifact in [a for entry in f._cache.values() for a in graph_mode.artifacts(entry.base)]:
+        if artifact.run_into is not None:
+            original = artifact.run_into
+            artifact.run_into = lambda i, o, run=original: (written.append(1), run(i, o))[1]
+    for scale in (0.5, -2.0):
+        got = ours(W * scale, xs + scale, ys)
+        assert_tree_allclose(got, reference(W * scale, xs + scale, ys), rtol=1e-5, atol=1e-5)
+    if TORCH_DEVICE.type == "cpu":
+        assert written, "no graph wrote its results into XLA's buffers"
+
+
+def test_inductor_results_cast_on_copy_are_returned_not_written():
+    # With 64-bit off, a float64 result is cast into XLA's float32 buffer by
+    # the runner's copy: that call keeps returning results.
+    f = t2j_ad.jaxify(lambda x: torch.tanh(x.double()) * 2, compile="inductor")
+    x = jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the 64-bit-outputs warning
+        for scale in (1.0, 3.0):
+            got = jax.jit(f)(x * scale)
+            assert got.dtype == jnp.float32
+            assert_tree_allclose(got, jnp.tanh(x * scale) * 2, rtol=1e-6, atol=1e-6)
+    assert _only_artifact(f).run_into is None
+
+
+@pytest.mark.skipif(TORCH_DEVICE.type != "cpu", reason="results are written into XLA's buffers on the CPU only")
+def test_buffers_laid_out_otherwise_get_results_copied():
+    from t2j_ad.backends import registry
+
+    f = t2j_ad.jaxify(lambda x: torch.tanh(x) * 2, compile="inductor")
+    x = jnp.arange(12.0).reshape(4, 3) / 12
+    jax.block_until_ready(jax.jit(f)(x))
+    artifact = _only_artifact(f)
+    (runner,) = [m.__self__ for m in list(registry.runners.values()) if m.__self__.into_artifact is artifact]
+    fresh = copy.copy(runner)
+    fresh.call_into = fresh._first_call_into
+    transposed = torch.empty(3, 4).T  # strides (1, 4), where the compiled graph expects (3, 1)
+    fresh([to_torch(x)], [transposed])
+    np.testing.assert_allclose(transposed.numpy(), np.tanh(np.asarray(x)) * 2, rtol=1e-6)
+    assert fresh.call_into is None
+    rowmajor = torch.empty(4, 3)
+    copy.copy(runner)([to_torch(x) * 2], [rowmajor])  # a row-major buffer is written as usual
+    np.testing.assert_allclose(rowmajor.numpy(), np.tanh(np.asarray(x) * 2) * 2, rtol=1e-6)
+
+
 _CACHE_PROBE = textwrap.dedent(
     """
     import json, os, sys
@@ -767,7 +890,11 @@ def test_dead_graphs_leave_no_generated_source_behind():
     f = t2j_ad.jaxify(_t_loss, compile="graph")
     jax.jit(jax.value_and_grad(f))(W, XS[0], YS[0])
     alive = set(graph_module._loader.eval_cache) - before
-    assert len(alive) == f.compile_stats()["graphs"]  # the traced-then-pruned sources are gone already
+    # One source per live graph: each traced graph, and its in-place replay
+    # where it has one (NOTE [results written into XLA's buffers]); the
+    # traced-then-pruned sources are gone already.
+    replays = sum(a.run_into is not None for entry in f._cache.values() for a in graph_mode.artifacts(entry.base))
+    assert len(alive) == f.compile_stats()["graphs"] + replays
     del f
     t2j_ad.clear_caches()
     gc.collect()
