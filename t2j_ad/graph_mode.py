@@ -48,19 +48,18 @@ gone from the graph: what is left is the aten ops they issued.
 from __future__ import annotations
 
 import contextvars
-import linecache
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode  # private: NOTE [what a trace leaves behind]
-from torch.multiprocessing.reductions import StorageWeakRef
 
+from .fx_sources import forget_sources, recompile, source_key
 from .module_modes import ModuleModes, modes_hold, recording_module_modes
+from .output_buffers import OutSpecs, computing_outputs_in_place, writes_into, writing_into_outputs
 from .real_writes import trial_run
 from .rules.fallbacks import provisional, warn_once
 from .trace_check import FirstRunNotUndone, checked_first_run
@@ -84,27 +83,6 @@ def resolve_compile_mode(value: str | None, where: str) -> str:
     if value not in COMPILE_MODES:
         raise ValueError(f"{where}: compile must be one of {COMPILE_MODES}, got {value!r}.")
     return value
-
-
-def _source_key(graph: torch.fx.GraphModule) -> str:
-    """The name under which torch.fx filed the source of ``graph.forward``."""
-    return type(graph).forward.__code__.co_filename
-
-
-def _forget_sources(keys: Sequence[str]) -> None:
-    """Drop generated sources torch.fx keeps for tracebacks.
-
-    Every ``GraphModule.recompile`` files its source (and a copy of its
-    globals) in torch.fx's loader and in ``linecache`` and never removes them:
-    a few kilobytes per graph, which would grow without bound as fresh
-    jaxified functions come and go (benchmarks/bench_registry_memory.py
-    --compile graph). Only traceback source lines of a dead graph are lost.
-    """
-    loader = getattr(torch.fx.graph_module, "_loader", None)  # private; absent: nothing to drop
-    for key in keys:
-        if loader is not None:
-            loader.eval_cache.pop(key, None)
-        linecache.cache.pop(key, None)
 
 
 def _plain_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None):  # noqa: ANN001, ANN202
@@ -194,151 +172,9 @@ def trace(fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> torch
     # which fail if replayed). Random ops count as impure, so the graph draws
     # the same numbers as eager.
     graph.graph.eliminate_dead_code()
-    _recompile(graph)
+    recompile(graph)
     refuse_scalar_reads(graph)
     return graph
-
-
-def _recompile(graph: torch.fx.GraphModule) -> None:
-    """``graph.recompile()``, its old source forgotten now and its new one
-    when it dies (``_forget_sources``)."""
-    old = _source_key(graph)
-    graph.recompile()
-    _forget_sources([old])
-    weakref.finalize(graph, _forget_sources, [_source_key(graph)])
-
-
-# NOTE [results written into XLA's buffers]
-# A compiled graph returns fresh tensors, which the runner then copies into
-# the output buffers XLA gave the call: one more pass over every output, where
-# XLA writes its own results in place. For per-example gradients (a 2 MB
-# weight gradient) the copies took 160 of a 445 us call, more than the
-# compiled kernels themselves (125 us). So on the CPU a graph takes one more
-# argument per output, a buffer laid out as XLA's (row-major; the C++ handler
-# hands DLPack no strides), and ends by copying each result into its buffer
-# (``writing_into_outputs``). Inductor then stores a result straight into it
-# (an extern bmm gets it as out=, a fused kernel writes there): the call took
-# 145 us. A replayed aten graph would only move the copy, so there the op
-# that allocates a result is rewritten to its out= overload, writing into
-# the buffer, where the result is that op's value or a view of it laid out
-# alike (``computing_outputs_in_place``); the other results are copied. The
-# runner uses such a graph once a call has shown that the function leaves
-# its inputs alone, after checking once that XLA's buffers are laid out as
-# expected; it copies results otherwise. Results cast on copy (64-bit into
-# 32-bit buffers) keep the copy. On CUDA a CUDA graph replays into its own
-# static outputs (NOTE [CUDA graph replay]) and keeps returning results.
-
-
-_INTO_BUFFER = "t2j_ad_into_buffer"  # meta key of the copies writing_into_outputs appends
-
-
-def writing_into_outputs(graph: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
-    """``graph`` taking one more argument per output, a buffer, into which it
-    copies that result (cast to the buffer's dtype), returning nothing; its
-    constants are ``graph``'s own objects. None if an output is not a tensor
-    the graph computes or takes."""
-    body = torch.fx.Graph()
-    results = body.graph_copy(graph.graph, {})
-    if not isinstance(results, (tuple, list)) or not all(isinstance(r, torch.fx.Node) for r in results):
-        return None
-    last = [node for node in body.nodes if node.op == "placeholder"][-1:]
-    buffers = []
-    for i in range(len(results)):
-        with body.inserting_after(buffers[-1] if buffers else (last[0] if last else None)):
-            buffers.append(body.placeholder(f"out_{i}"))
-    for buffer, result in zip(buffers, results):
-        body.call_function(torch.ops.aten.copy_.default, (buffer, result)).meta[_INTO_BUFFER] = True
-    body.output(())
-    into = torch.fx.GraphModule(graph, body)  # get_attr constants: graph's objects, not copies
-    weakref.finalize(into, _forget_sources, [_source_key(into)])
-    return into
-
-
-def computing_outputs_in_place(into: torch.fx.GraphModule) -> int:
-    """Rewrite ``into`` (from ``writing_into_outputs``) so that the op that
-    allocates a result writes it into its buffer (its ``out=`` overload),
-    where the result is that op's value, or a view of it, laid out alike; the
-    copy into that buffer goes. How many results it rewrote."""
-    graph = into.graph
-    claimed: set[torch.fx.Node] = set()
-    rewritten = 0
-    for copy in [node for node in graph.nodes if node.meta.get(_INTO_BUFFER)]:
-        buffer, result = copy.args
-        source = result
-        while (up := _aliased_argument(source)) is not None:
-            source = up
-        out_op = _out_overload(source)
-        if source in claimed or out_op is None or not _same_layout(source, result):
-            continue
-        out_name = next(a.name for a in out_op._schema.arguments if a.is_out)
-        with graph.inserting_before(source):
-            target = graph.call_function(torch.ops.aten.view.default, (buffer, list(source.meta["val"].shape)))
-            written = graph.call_function(out_op, source.args, {**source.kwargs, out_name: target})
-        written.meta = dict(source.meta)
-        source.replace_all_uses_with(written)
-        graph.erase_node(source)
-        graph.erase_node(copy)
-        claimed.add(written)
-        rewritten += 1
-    if rewritten:
-        graph.lint()
-        _recompile(into)
-    return rewritten
-
-
-def _aliased_argument(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The node whose memory ``node``'s result is (a view, an in-place op),
-    if any."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not node.args:
-        return None
-    returns, arguments = target._schema.returns, target._schema.arguments
-    aliases = target is torch.ops.aten._unsafe_view.default or (
-        len(returns) == 1
-        and returns[0].alias_info is not None
-        and arguments[0].alias_info is not None
-        and returns[0].alias_info.before_set == arguments[0].alias_info.before_set
-    )
-    first = node.args[0]
-    return first if aliases and isinstance(first, torch.fx.Node) else None
-
-
-def _out_overload(node: torch.fx.Node) -> Any:
-    """The ``out=`` overload of ``node``'s op with its arguments, if any."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return None
-    schema = target._schema
-    if len(schema.returns) != 1 or schema.returns[0].alias_info is not None:
-        return None
-    arguments = [(a.name, str(a.type)) for a in schema.arguments]
-    packet = target.overloadpacket
-    for name in packet.overloads():
-        overload = getattr(packet, name)
-        outs = [a for a in overload._schema.arguments if a.is_out]
-        rest = [(a.name, str(a.type)) for a in overload._schema.arguments if not a.is_out]
-        if len(outs) == 1 and rest == arguments and len(overload._schema.returns) == 1:
-            return overload
-    return None
-
-
-def _same_layout(source: torch.fx.Node, result: torch.fx.Node) -> bool:
-    """Whether ``result``, laid out row-major in its buffer, is ``source``'s
-    value written into that buffer: the same memory (the trace's fake
-    tensors say), entries in the same order, read the same way (one dtype,
-    no lazy conjugation or negation)."""
-    a, b = source.meta.get("val"), result.meta.get("val")
-    return (
-        isinstance(a, torch.Tensor)
-        and isinstance(b, torch.Tensor)
-        and StorageWeakRef(a.untyped_storage()) == StorageWeakRef(b.untyped_storage())
-        and a.dtype == b.dtype
-        and a.numel() == b.numel()
-        and a.is_contiguous()
-        and b.is_contiguous()
-        and a.storage_offset() == b.storage_offset() == 0
-        and not (a.is_conj() or b.is_conj() or a.is_neg() or b.is_neg())
-    )
 
 
 def compile_with_inductor(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> Flat:
@@ -385,9 +221,6 @@ class Artifact:
         self.modes: ModuleModes = ()  # NOTE [a graph per training mode]
 
 
-OutSpecs = Sequence[tuple[torch.Size, torch.dtype]]  # each output buffer's shape and dtype
-
-
 def _build_artifact(
     mode: str, impl: Flat, base: Any, inputs: Sequence[torch.Tensor], grad_enabled: bool, out_specs: OutSpecs
 ) -> tuple[Artifact, Any]:
@@ -416,7 +249,7 @@ def _build_artifact(
             _compile(artifact, graph, inputs, out_specs)
         except Exception as err:  # noqa: BLE001 - the graph's first run stands; eagerly from now on
             return Artifact(None, _reason(err)), first
-    elif _writes_into(graph, inputs, out_specs):
+    elif writes_into(graph, inputs, out_specs):
         _replay_in_place(artifact, graph, out_specs)
     artifact.trace_seconds = traced - start
     artifact.compile_seconds = time.perf_counter() - checked if mode == "inductor" else 0.0
@@ -433,7 +266,7 @@ def _compile(
     """Set ``artifact``'s callables to ``graph`` compiled by inductor, on the
     CPU writing into the output buffers where that can be done (NOTE [results
     written into XLA's buffers])."""
-    into = writing_into_outputs(graph) if _writes_into(graph, inputs, out_specs) else None
+    into = writing_into_outputs(graph) if writes_into(graph, inputs, out_specs) else None
     if into is not None:
         buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in out_specs]
         try:
@@ -464,7 +297,7 @@ def _replay_in_place(artifact: Artifact, graph: torch.fx.GraphModule, out_specs:
     if into is None:
         return
     if not computing_outputs_in_place(into):
-        _forget_sources([_source_key(into)])
+        forget_sources([source_key(into)])
         return
 
     def run_into(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
@@ -472,22 +305,6 @@ def _replay_in_place(artifact: Artifact, graph: torch.fx.GraphModule, out_specs:
 
     artifact.run_into = run_into
     artifact.into_strides = tuple(torch.empty(shape, dtype=dtype, device="meta").stride() for shape, dtype in out_specs)
-
-
-def _writes_into(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor], out_specs: OutSpecs) -> bool:
-    """Whether ``graph`` may write into buffers of ``out_specs``: on the CPU,
-    when it returns exactly those shapes and dtypes (a call whose results
-    differ, or are cast on copy, keeps the runner's checks and copies)."""
-    if not inputs or inputs[0].device.type != "cpu":
-        return False
-    (results,) = [node.args[0] for node in graph.graph.nodes if node.op == "output"]
-    if not isinstance(results, (tuple, list)) or len(results) != len(out_specs):
-        return False
-    traced = [r.meta.get("val") if isinstance(r, torch.fx.Node) else None for r in results]
-    return all(
-        isinstance(t, torch.Tensor) and t.shape == shape and t.dtype == dtype
-        for t, (shape, dtype) in zip(traced, out_specs)
-    )
 
 
 def _reason(err: BaseException) -> str:

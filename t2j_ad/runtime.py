@@ -168,7 +168,7 @@ class _Runner:
         self.cuda_graph = None  # cuda_graphs.CudaGraphCall, set by the first call
         # call_into(inputs, outputs): a compiled graph writing XLA's output
         # buffers itself, set by the first call where there is one (NOTE
-        # [results written into XLA's buffers] in graph_mode.py).
+        # [results written into XLA's buffers] in output_buffers.py).
         self.call_into = None
         self.into_artifact: graph_mode.Artifact | None = None
         self.out_avals = fun.out_avals
@@ -355,7 +355,7 @@ class _Runner:
     def _first_call_into(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         """Write into XLA's buffers from now on if they are laid out as the
         compiled graph expects, else copy results into them as usual (NOTE
-        [results written into XLA's buffers] in graph_mode.py)."""
+        [results written into XLA's buffers] in output_buffers.py)."""
         artifact = self.into_artifact
         if tuple(o.stride() for o in outputs) == artifact.into_strides:
             self.call_into = artifact.run_into

@@ -30,7 +30,7 @@ import torch.func
 from conftest import TORCH_DEVICE, assert_tree_allclose, cuda_only, run_in_threads, to_numpy, to_torch
 
 import t2j_ad
-from t2j_ad import graph_mode
+from t2j_ad import graph_mode, output_buffers
 from t2j_ad.rules.fallbacks import FallbackWarning
 
 
@@ -758,14 +758,14 @@ IN_PLACE_CASES = {
 
 @pytest.mark.parametrize("name", list(IN_PLACE_CASES))
 def test_a_replay_computing_results_in_their_buffers_matches_the_graph(name):
-    # NOTE [results written into XLA's buffers]: graph_mode.computing_outputs_in_place
+    # NOTE [results written into XLA's buffers]: output_buffers.computing_outputs_in_place
     fn, in_place = IN_PLACE_CASES[name]
     x = torch.randn(3, 2, device=TORCH_DEVICE)
     w = torch.randn(2, 4, device=TORCH_DEVICE)
     graph = graph_mode.trace(fn, [x, w], False)
     expected = [r.clone() for r in graph(x, w)]
-    into = graph_mode.writing_into_outputs(graph)
-    assert graph_mode.computing_outputs_in_place(into) == in_place
+    into = output_buffers.writing_into_outputs(graph)
+    assert output_buffers.computing_outputs_in_place(into) == in_place
     buffers = [torch.full(r.shape, float("nan"), dtype=r.dtype, device=TORCH_DEVICE) for r in expected]
     into(x, w, *buffers)
     for got, want in zip(buffers, expected):
