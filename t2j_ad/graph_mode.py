@@ -59,7 +59,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # private: NOTE [what 
 
 from .fx_sources import forget_sources, recompile, source_key
 from .module_modes import ModuleModes, modes_hold, recording_module_modes
-from .output_buffers import OutSpecs, computing_outputs_in_place, writes_into, writing_into_outputs
+from .output_buffers import (
+    OutSpecs,
+    computing_outputs_in_place,
+    row_major_strides,
+    writes_into,
+    writing_into_outputs,
+)
 from .real_writes import trial_run
 from .rules.fallbacks import provisional, warn_once
 from .trace_check import FirstRunNotUndone, checked_first_run
@@ -286,7 +292,7 @@ def _compile(
         return outputs
 
     artifact.run, artifact.run_into = run, run_into
-    artifact.into_strides = tuple(b.stride() for b in buffers)
+    artifact.into_strides = row_major_strides(out_specs)
 
 
 def _replay_in_place(artifact: Artifact, graph: torch.fx.GraphModule, out_specs: OutSpecs) -> None:
@@ -304,7 +310,7 @@ def _replay_in_place(artifact: Artifact, graph: torch.fx.GraphModule, out_specs:
         into(*inputs, *outputs)
 
     artifact.run_into = run_into
-    artifact.into_strides = tuple(torch.empty(shape, dtype=dtype, device="meta").stride() for shape, dtype in out_specs)
+    artifact.into_strides = row_major_strides(out_specs)
 
 
 def _reason(err: BaseException) -> str:

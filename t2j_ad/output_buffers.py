@@ -34,6 +34,11 @@ from .fx_sources import forget_with, recompile
 OutSpecs = Sequence[tuple[torch.Size, torch.dtype]]  # each output buffer's shape and dtype
 
 
+def row_major_strides(out_specs: OutSpecs) -> tuple[tuple[int, ...], ...]:
+    """The strides of XLA's output buffers of ``out_specs``, row-major."""
+    return tuple(torch.empty(shape, dtype=dtype, device="meta").stride() for shape, dtype in out_specs)
+
+
 _INTO_BUFFER = "t2j_ad_into_buffer"  # meta key of the copies writing_into_outputs appends
 
 
