@@ -326,9 +326,9 @@ class _Runner:
 
     def _first_compiled_call(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Trace (and compile) this TorchFn, then run it; eagerly if that fails."""
+        out_specs = tuple((shape, torch_dtype(a.dtype)) for shape, a in zip(self.shapes, self.out_avals))
         # Traced with grad mode as a transformed call needs it, whatever a
         # concurrent first call has since set self.grad_enabled to.
-        out_specs = tuple((shape, torch_dtype(a.dtype)) for shape, a in zip(self.shapes, self.out_avals))
         artifact, first = graph_mode.artifact_for(
             self.compile, self.impl, self.base, self.transforms, inputs, self._untraced[0], out_specs
         )

@@ -16,7 +16,7 @@ would reuse it. Such a function must run eagerly. Two ways in:
   ``x / float(count)`` with ``count`` bumped in place on every call came back
   as ``x / 1`` on every call, and ``BatchNorm1d(momentum=None)`` in training
   mode averaged by a batch count of 1. So the trace runs inside
-  ``closed_over_reads_refused``: a dispatch mode follows every tensor computed
+  ``refusing_closed_over_reads``: a dispatch mode follows every tensor computed
   from a real one and refuses an aten op that reads such a tensor's value
   into Python (``item``, ``float()``, ``bool()``, ``torch.equal``) or whose
   output shape depends on its values (``nonzero``, boolean indexing,
@@ -34,9 +34,8 @@ back is refused alike: the price is an eager run, never a wrong result.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -141,19 +140,12 @@ class _PythonReadRefuser(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@contextlib.contextmanager
-def closed_over_reads_refused() -> Iterator[None]:
-    """Within the block (a trace), a read of a closed-over tensor's value
-    raises ``NotTraceable`` (NOTE [values a graph would keep])."""
-    with _PythonReadRefuser(), _ClosedOverFollower():
-        yield
-
-
 def refusing_closed_over_reads(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, run inside ``closed_over_reads_refused``: what ``make_fx`` traces."""
+    """``fn``, where a read of a closed-over tensor's value raises
+    ``NotTraceable`` (NOTE [values a graph would keep]): what ``make_fx`` traces."""
 
     def traced(*args: Any) -> Any:
-        with closed_over_reads_refused():
+        with _PythonReadRefuser(), _ClosedOverFollower():
             return fn(*args)
 
     return traced
