@@ -17,13 +17,19 @@ first in-place write, and puts every such value back when the run ends. The
 calls themselves make the writes, once each, as in PyTorch.
 
 A module's ``forward`` may also rebind an attribute to a new tensor
-(``self.ema = 0.5 * self.ema + 0.5 * x``): the zeros run halved such an
-average, and a trace left the module holding fake tensors for good. So a
-module whose ``forward`` runs on the trial run's thread has its parameters,
-buffers and tensor attributes noted when it starts, and any it rebound put
-back when it ends, returned or raised (PyTorch's global forward hooks). A
-graph cannot replay a rebinding, which is Python, so a trace that made one is
-refused (``trace_refusals.refuse_rebound_attributes``).
+(``self.ema = 0.5 * self.ema + 0.5 * x``), or one of a submodule's
+(``self.child.ema = ...``): the zeros run halved such an average, and a
+trace left the module holding fake tensors for good. So when a module's
+``forward`` starts on the trial run's thread (PyTorch's global forward
+hooks), the parameters, buffers and tensor attributes of that module and of
+every module under it are noted, unless an enclosing ``forward`` noted them,
+and any of them rebound is put back when that ``forward`` ends, returned or
+raised: inside whatever swapped tensors in around the call
+(``functional_call``), which then puts its own back. A graph cannot replay a
+rebinding, which is Python, so a trace that made one is refused
+(``trace_refusals.refuse_rebound_attributes``). A binding the function makes
+before any module it reaches runs (a plain function assigning
+``model.ema = ...``) is Python state of its own, read once per trace.
 """
 
 from __future__ import annotations
@@ -72,39 +78,54 @@ def _attribute_tables(module: torch.nn.Module) -> tuple[dict[str, Any], ...]:
     return (module._parameters, module._buffers, module.__dict__)
 
 
+_Noted = dict[int, tuple[torch.nn.Module, tuple[dict[str, Any], ...]]]  # id -> (module, copies of its tables)
+
+
 class ModuleAttributesKept:
-    """Within the block, each tensor a module's ``forward`` on this thread
-    binds to one of its names (parameter, buffer or plain attribute) is
-    unbound again when that ``forward`` ends, the old value put back;
-    ``rebound`` names each as ``Class.name``."""
+    """Within the block, each tensor bound to a name (parameter, buffer or
+    plain attribute) of a module whose ``forward`` runs on this thread, or of
+    a module under it, is unbound again when that ``forward`` ends, the old
+    value put back; ``rebound`` names each as ``Class.name``."""
 
     def __init__(self) -> None:
         self.rebound: list[str] = []
         self._thread = threading.get_ident()
-        self._open: list[tuple[torch.nn.Module, tuple[dict[str, Any], ...]]] = []
+        # One frame per forward running, outermost first: the module, and the
+        # modules it was first to note (itself and those under it).
+        self._open: list[tuple[torch.nn.Module, _Noted]] = []
+        self._noted: set[int] = set()  # ids of the modules some open frame noted
 
     def _starts(self, module: torch.nn.Module, args: Any) -> None:
-        if threading.get_ident() == self._thread:
-            self._open.append((module, tuple(dict(table) for table in _attribute_tables(module))))
+        if threading.get_ident() != self._thread:
+            return
+        noted: _Noted = {}
+        if id(module) not in self._noted:  # else an open frame noted it and those under it
+            for sub in module.modules():
+                if id(sub) not in self._noted:
+                    self._noted.add(id(sub))
+                    noted[id(sub)] = (sub, tuple(dict(table) for table in _attribute_tables(sub)))
+        self._open.append((module, noted))
 
     def _ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if threading.get_ident() != self._thread:
             return
         for i in range(len(self._open) - 1, -1, -1):  # this module's innermost forward
             if self._open[i][0] is module:
-                _, before = self._open.pop(i)
-                break
-        else:
-            return
-        for table, saved in zip(_attribute_tables(module), before):
-            for name in [*saved, *(n for n in table if n not in saved)]:
-                old, new = saved.get(name, _ABSENT), table.get(name, _ABSENT)
-                if old is not new and (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):
-                    if old is _ABSENT:
-                        del table[name]
-                    else:
-                        table[name] = old
-                    self.rebound.append(f"{type(module).__name__}.{name}")
+                self._put_back(self._open.pop(i)[1])
+                return
+
+    def _put_back(self, noted: _Noted) -> None:
+        for module, before in noted.values():
+            self._noted.discard(id(module))
+            for table, saved in zip(_attribute_tables(module), before):
+                for name in [*saved, *(n for n in table if n not in saved)]:
+                    old, new = saved.get(name, _ABSENT), table.get(name, _ABSENT)
+                    if old is not new and (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):
+                        if old is _ABSENT:
+                            del table[name]
+                        else:
+                            table[name] = old
+                        self.rebound.append(f"{type(module).__name__}.{name}")
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[ModuleAttributesKept]:
@@ -116,6 +137,8 @@ class ModuleAttributesKept:
         finally:
             starts.remove()
             ends.remove()
+            while self._open:  # a forward whose end no hook saw
+                self._put_back(self._open.pop()[1])
 
 
 @contextlib.contextmanager

@@ -69,6 +69,50 @@ def test_a_forward_that_binds_new_tensors_matches_pytorch(mode, wrap):
         assert len(fallbacks) == 1 and "_Averaging.ema, _Averaging.plain" in fallbacks[0], fallbacks
 
 
+class _Holder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.full((3,), 8.0))
+
+    def forward(self, x):
+        return x * 2
+
+
+class _AveragesIntoChild(torch.nn.Module):
+    """Keeps its running average in a submodule's buffer, rebinding it from
+    its own forward, before and without the submodule's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.child = _Holder()
+
+    def forward(self, x):
+        self.child.ema = 0.5 * self.child.ema + 0.5 * x.detach()
+        return self.child(x) + self.child.ema
+
+
+@pytest.mark.parametrize("wrap", [_closure, _jaxify_module], ids=["closure", "jaxify_module"])
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_forward_that_binds_a_submodules_tensor_matches_pytorch(mode, wrap):
+    # Only a forward's own module had its names put back: the run on zeros
+    # that inferred a closure's shapes halved the child's average (every
+    # result 2.0 low), and a trace left the child holding a fake tensor.
+    module, twin = _AveragesIntoChild().to(TORCH_DEVICE), _AveragesIntoChild().to(TORCH_DEVICE)
+    f = jax.jit(wrap(module, mode))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for k in range(3):
+            x = jnp.arange(3.0) * (k + 1)
+            assert_tree_allclose(f(x), to_numpy(twin(to_torch(x))))
+            assert_tree_allclose(to_numpy(module.child.ema), to_numpy(twin.child.ema))
+    assert type(module.child.ema) is torch.Tensor
+    fallbacks = [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
+    if mode == "eager":
+        assert fallbacks == []
+    else:
+        assert len(fallbacks) == 1 and "_Holder.ema" in fallbacks[0], fallbacks
+
+
 class _Binds(torch.nn.Module):
     def __init__(self, fail: bool = False):
         super().__init__()
@@ -110,6 +154,19 @@ def test_bindings_are_undone_when_forward_raises():
         module(torch.ones(2))
     assert all(a is b for a, b in zip(_state(module)[:3], before[:3]))
     assert len(kept.rebound) == 4
+
+
+def test_a_submodules_bindings_are_undone_inside_what_swapped_its_tensors_in():
+    # functional_call swaps tensors in before the forward starts and puts the
+    # module's own back after it ends; the watcher's undoing must happen in
+    # between, or it would put the swapped-in tensor back for good.
+    module = _AveragesIntoChild()
+    own = module.child.ema
+    with ModuleAttributesKept().watching() as kept:
+        torch.func.functional_call(module, {"child.ema": torch.zeros(3)}, (torch.ones(3),))
+        torch.nn.Sequential(module)(torch.ones(3))
+    assert module.child.ema is own and torch.equal(own, torch.full((3,), 8.0))
+    assert kept.rebound == ["_Holder.ema", "_Holder.ema"]
 
 
 def test_modules_run_on_other_threads_keep_their_bindings():
