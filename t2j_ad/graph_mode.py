@@ -66,10 +66,16 @@ from .output_buffers import (
     writes_into,
     writing_into_outputs,
 )
+from .random_state import watching_seeds
 from .real_writes import trial_run
 from .rules.fallbacks import provisional, warn_once
 from .trace_check import FirstRunNotUndone, checked_first_run
-from .trace_refusals import refuse_rebound_attributes, refuse_scalar_reads, refusing_closed_over_reads
+from .trace_refusals import (
+    refuse_rebound_attributes,
+    refuse_scalar_reads,
+    refusing_closed_over_reads,
+    refusing_reseeding,
+)
 
 COMPILE_MODES = ("eager", "graph", "inductor")
 ENV_VAR = "T2J_AD_COMPILE"
@@ -150,13 +156,13 @@ def trace(fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> torch
 
     def run() -> torch.fx.GraphModule:
         # NOTE [trial runs do not write to real tensors]
-        with torch.autograd.set_grad_enabled(grad_enabled), trial_run() as attributes:
+        with torch.autograd.set_grad_enabled(grad_enabled), trial_run() as attributes, watching_seeds() as seeds:
             # _allow_non_fake_inputs: tensors the function closes over (module
             # buffers) become graph constants, held by reference; their values
-            # stay out of Python (NOTE [values a graph would keep]).
-            graph = make_fx(
-                refusing_closed_over_reads(fn), _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True
-            )(*inputs)
+            # stay out of Python (NOTE [values a graph would keep]). NOTE
+            # [random state in trial runs]: a function that seeds is refused.
+            refusing = refusing_reseeding(refusing_closed_over_reads(fn), seeds)
+            graph = make_fx(refusing, _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
         refuse_rebound_attributes(attributes.rebound)
         return graph
 

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # private: see the NOTE
 
+from .random_state import random_state_kept
+
 
 class RealWritesUndone(TorchDispatchMode):
     """Within the block, note each real tensor's value before its first
@@ -144,8 +146,9 @@ class ModuleAttributesKept:
 @contextlib.contextmanager
 def trial_run() -> Iterator[ModuleAttributesKept]:
     """A run of the user's function made only to learn something: the real
-    tensors it closes over, and the attributes of the modules it runs, are
-    as they were when the block ends (NOTE [trial runs do not write to real
-    tensors]); yields what records the attributes it rebound."""
-    with ModuleAttributesKept().watching() as attributes, RealWritesUndone():
+    tensors it closes over, the attributes of the modules it runs, and
+    PyTorch's random state are as they were when the block ends (NOTE [trial
+    runs do not write to real tensors], NOTE [random state in trial runs]);
+    yields what records the attributes it rebound."""
+    with ModuleAttributesKept().watching() as attributes, RealWritesUndone(), random_state_kept():
         yield attributes

@@ -44,6 +44,8 @@ from torch._subclasses.fake_tensor import is_fake  # private: fake or functorch-
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode  # private, as in real_writes.py
 
+from .random_state import SeedWatch
+
 
 class NotTraceable(RuntimeError):
     """The function's Python needs tensor values, so no graph can stand for it."""
@@ -147,5 +149,51 @@ def refusing_closed_over_reads(fn: Callable[..., Any]) -> Callable[..., Any]:
     def traced(*args: Any) -> Any:
         with _PythonReadRefuser(), _ClosedOverFollower():
             return fn(*args)
+
+    return traced
+
+
+class _RandomDrawChecker(TorchDispatchMode):
+    """Refuses a random op that finds PyTorch's random state set since the
+    trace began, or that draws from an explicit generator (NOTE [random
+    state in trial runs] in random_state.py)."""
+
+    def __init__(self, seeds: SeedWatch) -> None:
+        super().__init__()
+        self.seeds = seeds
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            if any(isinstance(a, torch.Generator) for a in pytree.tree_leaves((args, kwargs))):
+                raise NotTraceable(
+                    f"it draws from a torch.Generator of its own ({func}, generator=), which the graph would "
+                    f"hold as the trace left it and advance from replay to replay; draw from PyTorch's global "
+                    f"generator (seeded outside the function) to keep the graph"
+                )
+            if self.seeds.reseeded():
+                raise _reseeding()
+        return func(*args, **kwargs)
+
+
+def _reseeding() -> NotTraceable:
+    return NotTraceable(
+        "it sets PyTorch's random state (torch.manual_seed, torch.set_rng_state, torch.random.fork_rng), "
+        "which the graph cannot replay: each replay would draw on from the state it finds; seed outside "
+        "the function to keep the graph"
+    )
+
+
+def refusing_reseeding(fn: Callable[..., Any], seeds: SeedWatch) -> Callable[..., Any]:
+    """``fn``, where setting PyTorch's random state (``seeds`` sees it), or
+    drawing from a generator of its own, raises ``NotTraceable`` (NOTE
+    [random state in trial runs] in random_state.py)."""
+
+    def traced(*args: Any) -> Any:
+        with _RandomDrawChecker(seeds):
+            out = fn(*args)
+        if seeds.reseeded():  # after its last draw, a side effect all the same
+            raise _reseeding()
+        return out
 
     return traced

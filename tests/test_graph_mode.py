@@ -331,6 +331,85 @@ def test_random_ops_draw_what_eager_draws():
     np.testing.assert_array_equal(results["graph"], to_numpy(torch.rand(4, device=TORCH_DEVICE)))
 
 
+def _seeds_then_draws(x):
+    torch.manual_seed(7)
+    return x + torch.randn(x.shape, device=x.device)
+
+
+def _draws_in_a_forked_random_state(x):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        noise = torch.randn(x.shape, device=x.device)
+    return x + noise
+
+
+def _restores_a_state_then_draws(x):
+    torch.set_rng_state(_SAVED_RANDOM_STATE)
+    return x + torch.randn(x.shape, device=x.device)
+
+
+def _draws_from_its_own_generator(x):
+    g = torch.Generator(device=x.device).manual_seed(7)
+    return x + torch.randn(x.shape, device=x.device, generator=g)
+
+
+_SAVED_RANDOM_STATE = torch.Generator().manual_seed(7).get_state()
+
+
+@pytest.mark.parametrize(
+    "fn, why",
+    [
+        pytest.param(fn, why, id=fn.__name__[1:])
+        for fn, why in [
+            (_seeds_then_draws, "sets PyTorch's random state"),
+            (_draws_in_a_forked_random_state, "sets PyTorch's random state"),
+            (_restores_a_state_then_draws, "sets PyTorch's random state"),
+            (_draws_from_its_own_generator, "torch.Generator of its own"),
+        ]
+    ],
+)
+@pytest.mark.parametrize("mode", ["graph", "inductor"])
+def test_a_function_that_sets_the_random_state_runs_eagerly(fn, why, mode):
+    # NOTE [random state in trial runs]: a graph replays each draw on the
+    # generator as it finds it, so these drew new noise on every replay where
+    # PyTorch draws the same noise on every call.
+    if fn is _restores_a_state_then_draws and TORCH_DEVICE.type == "cuda":
+        pytest.skip("set_rng_state sets the CPU generator; the noise here is drawn on the GPU")
+    f = jax.jit(t2j_ad.jaxify(fn, compile=mode))
+    x = jnp.arange(4.0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            np.testing.assert_array_equal(np.asarray(f(x)), to_numpy(fn(to_torch(x))))
+    fallbacks = _compile_warnings(record)
+    assert len(fallbacks) == 1 and why in fallbacks[0], fallbacks
+
+
+def _noisy(x):
+    return x + torch.rand_like(x)
+
+
+def _noisy_after_reading_a_value(x):
+    # .item() of an input: no meta run, no trace; shapes come from a run on zeros.
+    return x * float(x.sum() > 0) + torch.rand_like(x)
+
+
+@pytest.mark.parametrize("fn", [_noisy, _noisy_after_reading_a_value], ids=["noisy", "reads_a_value"])
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_the_first_call_draws_what_pytorch_draws_from_the_same_seed(fn, mode):
+    # Shape inference on zeros drew for real (the call then drew the next
+    # numbers), and the trace seeds its generators to a sentinel: both runs
+    # must leave the random state as they found it.
+    f = jax.jit(t2j_ad.jaxify(fn, compile=mode))
+    x = jnp.arange(1.0, 5.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        torch.manual_seed(1234)
+        first = np.asarray(f(x))
+    torch.manual_seed(1234)
+    np.testing.assert_array_equal(first, to_numpy(fn(to_torch(x))))
+
+
 def test_buffers_are_held_by_reference_as_in_eager():
     class Scale(torch.nn.Module):
         def __init__(self):
