@@ -172,7 +172,8 @@ class JaxifiedFunction:
             expected = flat.out_tree
             if expected is not None and tree != expected:
                 raise TorchCallError(
-                    f"{name} returned outputs of structure {tree}, but {expected} was declared (output_shapes or inference)."
+                    f"{name} returned {tree.num_leaves} outputs (structure {tree}); expected {expected.num_leaves} "
+                    f"(structure {expected}), as declared by output_shapes or found by inference."
                 )
             for path, leaf in with_paths:
                 if not isinstance(leaf, torch.Tensor):

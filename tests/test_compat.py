@@ -256,8 +256,12 @@ def test_output_shapes_bad_leaf_is_named():
         (lambda a: (a, a), r"returned 2 outputs .*expected 1"),
     ],
 )
-def test_results_that_do_not_match_output_shapes_say_what_was_expected(torch_fn, match):
-    # torch2jax's own suite matches "expected" (and "returned 2 outputs").
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_results_that_do_not_match_output_shapes_say_what_was_expected(torch_fn, match, mode, monkeypatch):
+    # torch2jax's own suite matches "expected" (and "returned 2 outputs"),
+    # whichever compile mode T2J_AD_COMPILE sets (graph mode's first call
+    # said "returned outputs of structure ...").
+    monkeypatch.setenv("T2J_AD_COMPILE", mode)
     x = jnp.arange(4.0, dtype=jnp.float32)
     jax_fn = torch2jax(torch_fn, x, output_shapes=jax.ShapeDtypeStruct((4,), jnp.float32))
     with pytest.raises((jax.errors.JaxRuntimeError, TorchCallError), match=match):
