@@ -13,8 +13,11 @@ graph-mode module counted 2 batches where PyTorch counts 1, and a module
 whose meta run failed (``BatchNorm1d(momentum=None)`` reads the count with
 ``float()``) averaged a batch of zeros into its running statistics. So these
 runs go through a dispatch mode that copies a real tensor's value before its
-first in-place write, and puts every such value back when the run ends. The
-calls themselves make the writes, once each, as in PyTorch.
+first in-place write, and puts every such value back when the run ends. An
+in-place write is an argument the op's schema marks as written, and the
+running statistics batch norm's kernels update unmarked
+(``_UNDECLARED_WRITES``). The calls themselves make the writes, once each,
+as in PyTorch.
 
 A module's ``forward`` may also rebind an attribute to a new tensor
 (``self.ema = 0.5 * self.ema + 0.5 * x``), or one of a submodule's
@@ -45,6 +48,18 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from .random_state import random_state_kept
 
 
+_aten = torch.ops.aten
+# Ops that write arguments their schema does not mark as written: batch
+# norm's kernels update the running mean and variance (arguments 3 and 4) in
+# training mode. BatchNorm(momentum=None)'s run on zeros averaged a batch of
+# zeros into them for good.
+_UNDECLARED_WRITES = {
+    _aten.native_batch_norm.default: (3, 4),
+    _aten.cudnn_batch_norm.default: (3, 4),
+    _aten.miopen_batch_norm.default: (3, 4),
+}
+
+
 class RealWritesUndone(TorchDispatchMode):
     """Within the block, note each real tensor's value before its first
     in-place write; on leaving it, put every noted value back."""
@@ -55,10 +70,10 @@ class RealWritesUndone(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
-        for i, argument in enumerate(func._schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            written = args[i] if i < len(args) else kwargs.get(argument.name)
+        schema = func._schema.arguments
+        marked = [i for i, argument in enumerate(schema) if argument.alias_info and argument.alias_info.is_write]
+        for i in (*marked, *_UNDECLARED_WRITES.get(func, ())):
+            written = args[i] if i < len(args) else kwargs.get(schema[i].name)
             if type(written) is torch.Tensor and written.device.type != "meta" and id(written) not in self.saved:
                 with _disable_current_modes():  # a real copy, not a fake one
                     self.saved[id(written)] = (written, written.detach().clone())

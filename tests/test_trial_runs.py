@@ -7,10 +7,12 @@ inputs; the attribute bookkeeping is checked on plain modules.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 from conftest import TORCH_DEVICE, assert_tree_allclose, run_in_threads, to_numpy, to_torch
@@ -186,3 +188,24 @@ def test_a_trial_run_undoes_in_place_writes_and_bindings_together():
         buffer.add_(5.0)
     assert module.count is buffer and float(buffer) == 0.0
     assert "_Binds.count" in attributes.rebound
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_inference_on_zeros_leaves_batch_norm_running_statistics_alone(mode):
+    # BatchNorm(momentum=None) reads float(num_batches_tracked), so each new
+    # input shape is inferred by a run on zeros; batch norm's kernel updates
+    # the running statistics without its schema saying so, and that run
+    # averaged a batch of zeros into them for good (only the count came back).
+    module = torch.nn.BatchNorm1d(3, momentum=None).to(TORCH_DEVICE).train()
+    twin = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
+    f = jax.jit(apply)
+    rng = np.random.default_rng(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # graph mode: eager, for the float() read
+        for batch in (4, 3, 3, 4):
+            x = rng.standard_normal((batch, 3)).astype(np.float32) + 1.0
+            assert_tree_allclose(f(params, x), to_numpy(twin(to_torch(x))), rtol=1e-5, atol=1e-5)
+            jax.eval_shape(apply, params, jax.ShapeDtypeStruct((batch + 5, 3), jnp.float32))
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                assert_tree_allclose(to_numpy(getattr(module, name)), to_numpy(getattr(twin, name)))
