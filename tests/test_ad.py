@@ -672,7 +672,27 @@ def test_value_and_grad_of_a_random_function_share_its_draws():
 
     x = jnp.arange(1.0, 13.0).reshape(3, 4)
     torch.manual_seed(0)
-    value, grad = jax.value_and_grad(t2j_ad.jaxify(loss))(x)
+    value, grad = jax.block_until_ready(jax.value_and_grad(t2j_ad.jaxify(loss))(x))
     torch.manual_seed(0)
     expected_grad, expected_value = torch.func.grad_and_value(loss)(torch.from_numpy(np.asarray(x)))
     assert_tree_allclose((value, grad), (expected_value.numpy(), expected_grad.numpy()))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="jax.grad of a loss not linear in the function's outputs calls PyTorch twice (the value seeds "
+    "the gradient), and the second call draws a new dropout mask (docs/transforms.md)",
+)
+def test_jitted_grad_of_a_random_function_is_that_of_one_draw():
+    def dropout(x):
+        return torch.nn.functional.dropout(x, 0.5, training=True)
+
+    jaxified = t2j_ad.jaxify(dropout)
+    x = jnp.arange(1.0, 13.0).reshape(3, 4)
+    grad = jax.jit(jax.grad(lambda x: (jaxified(x) ** 2).sum()))
+    jax.block_until_ready(grad(x))  # compiled outside the seeded draw
+    torch.manual_seed(0)
+    got = jax.block_until_ready(grad(x))  # drawn before the reseed below
+    torch.manual_seed(0)
+    expected = torch.func.grad(lambda x: (dropout(x) ** 2).sum())(torch.from_numpy(np.asarray(x)))
+    assert_tree_allclose(got, expected.numpy())
