@@ -209,10 +209,12 @@ class JaxifiedFunction:
                     raise TypeError(f"jaxify: {where}: {err}") from None
             mutation_checked = False
             inferred_on = None
+            draws_random = None
         else:
             # NOTE [inference on the call's device] in inference.py
             inferred = infer_outputs(raw, in_avals, self.name, torch_device(call_device(arrays)))
             inferred_on = inferred.device
+            draws_random = inferred.draws_random
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred.outputs, is_leaf=_is_output_leaf)
             declared = []
             for path, leaf in with_paths:
@@ -254,6 +256,7 @@ class JaxifiedFunction:
             direct_single=direct is not None and flat.single_tensor,
             batch_in_dims=self._batch_in_dims(in_tree, in_avals, out_avals),
             compile=self.compile,
+            draws_random=draws_random,
         )
         return _Signature(base, out_tree)
 

@@ -39,6 +39,7 @@ mode, which ``torch.func`` handles specially, each call takes the public path.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -200,6 +201,21 @@ def _direct_vjp(fn: Flat, primals: Sequence[torch.Tensor], cotangents: Sequence[
             _hooks_enable()
         else:
             _hooks_disable(previous_message)
+
+
+def wrapped_by_a_transform(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``torch.func`` transform's wrapper (batched or
+    differentiated), not a tensor with storage of its own."""
+    is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)  # private
+    return bool(is_wrapped(t)) if is_wrapped is not None else False
+
+
+def outside_transforms() -> contextlib.AbstractContextManager[None]:
+    """Within the block, ops on tensors make plain tensors even inside
+    ``torch.func`` transforms, which otherwise wrap every result at their
+    level (a wrapped tensor has no storage to read bytes from)."""
+    disable = getattr(torch._C, "_DisableFuncTorch", None)  # private
+    return disable() if disable is not None else contextlib.nullcontext()
 
 
 def direct_path_works() -> bool:

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .convert import torch_dtype
+from .random_state import RandomOpsSeen
 from .real_writes import trial_run
 from .runtime import InputMutationError, TorchCallError
 from .torch_fn import Aval
@@ -38,11 +39,23 @@ _META = torch.device("meta")
 _CPU = torch.device("cpu")
 
 
-def _run(fn: Callable[..., Any], avals: Sequence[Aval], device: torch.device, name: str) -> Any:
+class Inferred(NamedTuple):
+    """What inference found: the function's outputs, where it ran, and
+    whether it drew random numbers (NOTE [derivatives replay the value's
+    draws] in random_calls.py)."""
+
+    outputs: Any
+    device: torch.device  # meta, or where the zeros were
+    draws_random: bool
+
+
+def _run(fn: Callable[..., Any], avals: Sequence[Aval], device: torch.device, name: str) -> tuple[Any, bool]:
+    """``fn``'s outputs on inputs made on ``device``, and whether it drew random numbers."""
     make = torch.empty if device == _META else torch.zeros
     inputs = [make(a.shape, dtype=torch_dtype(a.dtype), device=device) for a in avals]
     versions = [t._version for t in inputs]
-    with torch.no_grad(), trial_run():  # NOTE [trial runs do not write to real tensors]
+    # NOTE [trial runs do not write to real tensors]
+    with torch.no_grad(), trial_run(), RandomOpsSeen() as random_ops:
         outputs = fn(*inputs)
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
     if mutated:
@@ -52,7 +65,7 @@ def _run(fn: Callable[..., Any], avals: Sequence[Aval], device: torch.device, na
             f"not write into their inputs (JAX arrays are immutable). Clone the "
             f"input first (x = x.clone()) or use the out-of-place op."
         )
-    return outputs
+    return outputs, random_ops.seen
 
 
 def devices_to_try(device: torch.device) -> list[torch.device]:
@@ -65,19 +78,13 @@ def devices_to_try(device: torch.device) -> list[torch.device]:
     return list(dict.fromkeys((device, *others, _CPU)))
 
 
-class Inferred(NamedTuple):
-    """What inference found: the function's outputs, and where it ran."""
-
-    outputs: Any
-    device: torch.device  # meta, or where the zeros were
-
-
 def infer_outputs(fn: Callable[..., Any], avals: Sequence[Aval], name: str, device: torch.device = _CPU) -> Inferred:
     """Run ``fn`` on meta tensors, else once on zeros on ``device``, the
     call's (then on the other devices ``devices_to_try`` names: NOTE
     [inference on the call's device]); return what it returned, and where."""
     try:
-        return Inferred(_run(fn, avals, _META, name), _META)
+        outputs, drew = _run(fn, avals, _META, name)
+        return Inferred(outputs, _META, drew)
     except InputMutationError:
         raise
     except Exception:  # noqa: BLE001 - no meta kernel, or needs real data
@@ -85,7 +92,8 @@ def infer_outputs(fn: Callable[..., Any], avals: Sequence[Aval], name: str, devi
     first: tuple[torch.device, Exception] | None = None
     for where in devices_to_try(device):
         try:
-            return Inferred(_run(fn, avals, where, name), where)
+            outputs, drew = _run(fn, avals, where, name)
+            return Inferred(outputs, where, drew)
         except InputMutationError:
             raise
         except Exception as err:  # noqa: BLE001 - reported below if no device works

@@ -30,6 +30,22 @@ import secrets
 from collections.abc import Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode  # private, as in real_writes.py
+
+
+class RandomOpsSeen(TorchDispatchMode):
+    """Within the block, notes whether an op that draws random numbers ran
+    (``seen``): shape inference learns so whether a function draws (NOTE
+    [derivatives replay the value's draws] in random_calls.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.seen = True
+        return func(*args, **(kwargs or {}))
 
 
 def generators_in_use() -> list[torch.Generator]:

@@ -119,6 +119,7 @@ class BaseFn:
         direct_single: bool = False,
         batch_in_dims: tuple[int | None, ...] | None = None,
         compile: str = "eager",
+        draws_random: bool | None = None,
     ):
         self.fn = fn
         # How each TorchFn of this function runs: "eager", "graph" or
@@ -155,6 +156,10 @@ class BaseFn:
         # others; None when not declared. Every output is mapped at axis 0.
         # (NOTE [partitioning torch_call] in rules/partitioning.py.)
         self.batch_in_dims = batch_in_dims
+        # Whether the function draws random numbers, as its shape inference
+        # saw; None when output_shapes skipped that run (NOTE [derivatives
+        # replay the value's draws] in random_calls.py).
+        self.draws_random = draws_random
         self.built: dict[tuple[Transform, ...], Callable[..., tuple[Any, ...]]] = {}
         self.lock = threading.Lock()
 
@@ -170,6 +175,10 @@ class BaseFn:
         local.built = {}
         local.__dict__.pop("graphs", None)
         local.__dict__.pop("graph_lock", None)
+        # Nor do the functions that keep and replay its random state
+        # (NOTE [derivatives replay the value's draws] in random_calls.py).
+        local.__dict__.pop("keeping_state", None)
+        local.__dict__.pop("replaying_state", None)
         local.lock = threading.Lock()
         return local
 

@@ -160,7 +160,8 @@ def test_inference_tries_the_cpu_when_the_calls_device_fails():
     # call on arrays committed elsewhere: a function closing over CPU tensors
     # must still infer when the guess fails.
     calls: list[str] = []
-    (out,), where = infer_outputs(lambda x: (_scaled_by(torch.ones(3), calls)(x),), _avals((3,)), "f", _UNUSABLE)
+    inferred = infer_outputs(lambda x: (_scaled_by(torch.ones(3), calls)(x),), _avals((3,)), "f", _UNUSABLE)
+    (out,), where = inferred.outputs, inferred.device
     assert out.shape == (3,) and out.dtype == torch.float32 and where == torch.device("cpu")
     assert calls == ["meta", "cpu"]
 
@@ -196,7 +197,8 @@ def test_inference_tries_the_other_gpus_before_the_cpu(monkeypatch):
 
     monkeypatch.setattr(inference, "_run", run_where_the_weight_is)
     w = torch.linspace(0.5, 2.0, 3)
-    (out,), where = infer_outputs(lambda x: (torch.tanh(x * w).to(torch.float64),), _avals((2, 3)), "f", cuda[0])
+    inferred = infer_outputs(lambda x: (torch.tanh(x * w).to(torch.float64),), _avals((2, 3)), "f", cuda[0])
+    (out,), where = inferred.outputs, inferred.device
     assert tried == ["meta", "cuda:0", "cuda:1"]
     assert out.shape == (2, 3) and out.dtype == torch.float64 and where == cuda[1]
 

@@ -303,3 +303,23 @@ def test_graph_mode_traces_the_local_batch_and_stays_sharded(mesh, monkeypatch):
         assert out.sharding.spec == P("b")
     assert traced_shapes, "nothing was traced"
     assert all((B // 4, D) in shapes for shapes in traced_shapes), traced_shapes
+
+
+def test_pmap_gradients_of_a_random_function_replay_each_devices_draws():
+    # NOTE [derivatives replay the value's draws]: XLA runs the 4 devices'
+    # calls on its own threads at once; each device's derivative call must
+    # replay the mask its own value call drew while the others draw and
+    # replay theirs (without the lock, 27 runs of 30 mixed them up). With
+    # the mask m (scaled by 2 at p=0.5), y = (sin x + x) m, and the pullback
+    # of 2y is 2y (cos x + 1) m = 4y (cos x + 1) wherever the masks agree.
+    f = t2j_ad.jaxify(lambda x: torch.nn.functional.dropout(torch.sin(x) + x, 0.5, training=True))
+
+    def value_and_pullback(x):
+        y, pullback = jax.vjp(f, x)
+        return y, pullback(2 * y)[0]
+
+    x4 = jnp.arange(4 * 64 * 256, dtype=jnp.float32).reshape(4, 64, 256) / 1000 + 1.0
+    for _ in range(10):
+        y, g = jax.pmap(value_and_pullback)(x4)
+        assert_tree_allclose(g, 4 * y * (jnp.cos(x4) + 1), rtol=1e-4, atol=1e-4)
+        assert 0 < int(jnp.sum(y == 0)) < y.size  # it did drop some

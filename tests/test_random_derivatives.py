@@ -1,0 +1,151 @@
+"""Derivatives of a function that draws random numbers replay the draws of
+its value: NOTE [derivatives replay the value's draws] in random_calls.py.
+
+Every result is held against ``torch.func`` on the same function from the
+same seed, and PyTorch's global random sequence must be where ``torch.func``
+leaves it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.func
+from conftest import TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
+
+import t2j_ad
+from t2j_ad.rules.fallbacks import FallbackWarning
+
+
+def _dropout(x):
+    return torch.nn.functional.dropout(x, 0.5, training=True)
+
+
+def _seeded_run(fn):
+    """``fn()`` from seed 0, its results ready, and the next draws after it."""
+    torch.manual_seed(0)
+    result = jax.block_until_ready(fn())  # JAX dispatches asynchronously
+    return result, torch.rand(3, device=TORCH_DEVICE)
+
+
+def _mask(shape):
+    """The dropout mask (scaled) the first draw from seed 0 makes."""
+    torch.manual_seed(0)
+    return _dropout(torch.ones(shape, device=TORCH_DEVICE))
+
+
+_X = jnp.arange(1.0, 13.0).reshape(3, 4)
+
+
+def _square_loss(f):
+    return lambda x: (f(x) ** 2).sum()
+
+
+CASES = {
+    # The gradient of a loss that needs the value is seeded by the value's
+    # mask: that call and the derivative's drew different masks (on average
+    # half the true gradient at p=0.5).
+    "jit_grad": (
+        lambda jf: jax.jit(jax.grad(_square_loss(jf))),
+        lambda x: torch.func.grad(_square_loss(_dropout))(x),
+    ),
+    "grad": (lambda jf: jax.grad(_square_loss(jf)), lambda x: torch.func.grad(_square_loss(_dropout))(x)),
+    "value_and_grad": (
+        lambda jf: jax.value_and_grad(_square_loss(jf)),
+        lambda x: torch.func.grad_and_value(_square_loss(_dropout))(x)[::-1],
+    ),
+    "jvp": (
+        lambda jf: lambda x: jax.jvp(jf, (x,), (jnp.cos(x),)),
+        lambda x: torch.func.jvp(_dropout, (x,), (torch.cos(x),)),
+    ),
+    "jit_jvp": (
+        lambda jf: jax.jit(lambda x: jax.jvp(jf, (x,), (jnp.cos(x),))),
+        lambda x: torch.func.jvp(_dropout, (x,), (torch.cos(x),)),
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_derivative_draws_what_its_value_drew(case, mode):
+    transform, reference = CASES[case]
+    f = transform(t2j_ad.jaxify(_dropout, compile=mode))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        jax.block_until_ready(f(_X))  # traced and compiled outside the seeded runs
+        got, after = _seeded_run(lambda: f(_X))
+    fallbacks = [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
+    # torch.func ran every call (no fallback of its own); graph mode says
+    # once that the derivatives run eagerly.
+    assert len(fallbacks) == (mode != "eager") and all("draws random numbers" in m for m in fallbacks), fallbacks
+    expected, expected_after = _seeded_run(lambda: reference(to_torch(_X)))
+    assert_tree_allclose(got, jax.tree_util.tree_map(to_numpy, expected))
+    # The value drew from PyTorch's global generator, once, as torch.func does.
+    assert torch.equal(after, expected_after)
+
+
+def test_a_hessian_is_that_of_the_values_mask():
+    # torch.func.hessian refuses random ops (they run under its vmap), so the
+    # reference is the Hessian for the mask the value call drew from seed 0.
+    jf = t2j_ad.jaxify(_dropout)
+    hessian = jax.jit(jax.hessian(lambda x: (jf(x) ** 3).sum()))
+    x = _X[0]
+    jax.block_until_ready(hessian(x))
+    got, _ = _seeded_run(lambda: hessian(x))
+    mask = _mask((4,))
+    expected = torch.func.hessian(lambda x: ((x * mask) ** 3).sum())(to_torch(x))
+    assert_tree_allclose(got, to_numpy(expected), rtol=1e-5, atol=1e-4)
+
+
+def test_per_example_gradients_draw_one_mask_per_example():
+    # Random ops cannot run under torch.vmap, so vmap_method="auto" loops;
+    # each example's gradient must use the mask its own value drew, in order.
+    jf = t2j_ad.jaxify(_dropout)
+    per_example = jax.jit(jax.vmap(jax.grad(_square_loss(jf))))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # the loop, announced
+        jax.block_until_ready(per_example(_X))
+        got, after = _seeded_run(lambda: per_example(_X))
+    rows = lambda: torch.stack([torch.func.grad(_square_loss(_dropout))(row) for row in to_torch(_X)])  # noqa: E731
+    expected, expected_after = _seeded_run(rows)
+    assert_tree_allclose(got, to_numpy(expected))
+    assert torch.equal(after, expected_after)
+
+
+def test_declared_output_shapes_keep_the_function_from_running_to_learn_whether_it_draws():
+    # torch2jax promises that a function given output_shapes is never run to
+    # learn anything; it is then not known to draw, and its derivative draws
+    # again (docs/transforms.md).
+    runs = []
+
+    def counted(x):
+        runs.append(x.device.type)
+        return _dropout(x)
+
+    jf = t2j_ad.jaxify(counted, output_shapes=jax.ShapeDtypeStruct(_X.shape, _X.dtype))
+    jax.block_until_ready(jax.jit(jax.grad(_square_loss(jf)))(_X))
+    assert "meta" not in runs and len(runs) == 2  # the value call and the vjp call
+
+
+def test_gradients_of_a_module_with_dropout_are_those_of_its_mask():
+    torch.manual_seed(1)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    module = module.to(TORCH_DEVICE).train()
+    apply, params = t2j_ad.jaxify_module(module)
+    loss = jax.jit(jax.value_and_grad(lambda p, x: (apply(p, x) ** 2).sum()))
+    jax.block_until_ready(loss(params, _X))
+    got, after = _seeded_run(lambda: loss(params, _X))
+
+    def torch_loss(p, x):
+        return (torch.func.functional_call(module, p, (x,)) ** 2).sum()
+
+    torch_params = {k: to_torch(v) for k, v in params.items()}
+    expected, expected_after = _seeded_run(lambda: torch.func.grad_and_value(torch_loss)(torch_params, to_torch(_X)))
+    grads, value = expected
+    assert_tree_allclose(got, (to_numpy(value), {k: to_numpy(g) for k, g in grads.items()}), rtol=1e-5, atol=1e-5)
+    assert torch.equal(after, expected_after)
