@@ -95,73 +95,82 @@ def _variant(base: BaseFn, fn, *, in_avals, out_avals, out_names, torch_out_dtyp
     return variant
 
 
+def _made_once(base: BaseFn, key: str, make) -> BaseFn:  # noqa: ANN001
+    """The variant ``make(root)`` of ``base``'s root function, cached there under ``key``."""
+    root = getattr(base, "random_root", base)
+    made = root.__dict__.get(key)
+    if made is None:
+        made = root.__dict__.setdefault(key, make(root))
+    return made
+
+
 def keeping_state(base: BaseFn) -> BaseFn:
     """``base``, returning also its device generator's state from before it
     ran (NOTE [derivatives replay the value's draws]); made once."""
-    base = getattr(base, "random_root", base)
-    made = base.__dict__.get("keeping_state")
-    if made is None:
-        fn = base.fn
-
-        def keeping(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            with _generator_lock:
-                with outside_transforms():  # bytes, whatever transforms this call runs under
-                    state = _generator(inputs).get_state()
-                    kept = torch.zeros(STATE_BYTES, dtype=torch.uint8)
-                    kept[: state.numel()] = state
-                    kept = kept.to(inputs[0].device if inputs else kept.device)
-                return (*fn(*inputs), kept)
-
-        made = _variant(
-            base,
-            keeping,
-            in_avals=base.in_avals,
-            out_avals=base.out_avals + (_STATE_AVAL,),
-            out_names=base.out_names + ("the random state",),
-            torch_out_dtypes=base.torch_out_dtypes + (torch.uint8,),
-        )
-        made.draws_random = True
-        made = base.__dict__.setdefault("keeping_state", made)
-    return made
+    return _made_once(base, "keeping_state", _keeping_state)
 
 
 def replaying_state(base: BaseFn) -> BaseFn:
     """``base`` with a generator state as one more input, run from that
     state (NOTE [derivatives replay the value's draws]); made once."""
-    base = getattr(base, "random_root", base)
-    made = base.__dict__.get("replaying_state")
-    if made is None:
-        fn = base.fn
+    return _made_once(base, "replaying_state", _replaying_state)
 
-        def replaying(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            *args, state = inputs
-            if wrapped_by_a_transform(state):
-                # One state per example: torch.vmap would batch it (random
-                # ops refuse torch.vmap anyway), so vmap_method="auto" loops.
-                raise RuntimeError(
-                    f"{base.name} draws random numbers, which torch.vmap refuses; "
-                    f"vmap_method='sequential' runs one example at a time"
-                )
-            generator = _generator(args)
-            with _generator_lock:
-                now = generator.get_state()
-                with outside_transforms():  # a slice and a copy: plain tensors inside transforms too
-                    # A fresh copy: set_state reads a tensor with a storage offset
-                    # (one example's row of a batch) from the wrong place, or crashes.
-                    generator.set_state(state[: now.numel()].to("cpu", copy=True))
-                try:
-                    return fn(*args)
-                finally:
-                    generator.set_state(now)
 
-        made = _variant(
-            base,
-            replaying,
-            in_avals=base.in_avals + (_STATE_AVAL,),
-            out_avals=base.out_avals,
-            out_names=base.out_names,
-            torch_out_dtypes=base.torch_out_dtypes,
-        )
-        made.draws_random = False  # deterministic given its state
-        made = base.__dict__.setdefault("replaying_state", made)
+def _keeping_state(base: BaseFn) -> BaseFn:
+    fn = base.fn
+
+    def keeping(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with _generator_lock:
+            with outside_transforms():  # bytes, whatever transforms this call runs under
+                state = _generator(inputs).get_state()
+                kept = torch.zeros(STATE_BYTES, dtype=torch.uint8)
+                kept[: state.numel()] = state
+                kept = kept.to(inputs[0].device if inputs else kept.device)
+            return (*fn(*inputs), kept)
+
+    made = _variant(
+        base,
+        keeping,
+        in_avals=base.in_avals,
+        out_avals=base.out_avals + (_STATE_AVAL,),
+        out_names=base.out_names + ("the random state",),
+        torch_out_dtypes=base.torch_out_dtypes + (torch.uint8,),
+    )
+    made.draws_random = True
+    return made
+
+
+def _replaying_state(base: BaseFn) -> BaseFn:
+    fn = base.fn
+
+    def replaying(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        *args, state = inputs
+        if wrapped_by_a_transform(state):
+            # One state per example: torch.vmap would batch it (random ops
+            # refuse torch.vmap anyway), so vmap_method="auto" loops.
+            raise RuntimeError(
+                f"{base.name} draws random numbers, which torch.vmap refuses; "
+                f"vmap_method='sequential' runs one example at a time"
+            )
+        generator = _generator(args)
+        with _generator_lock:
+            now = generator.get_state()
+            with outside_transforms():  # a slice and a copy: plain tensors inside transforms too
+                # A fresh copy: set_state reads a tensor with a storage offset
+                # (one example's row of a batch) from the wrong place, or crashes.
+                generator.set_state(state[: now.numel()].to("cpu", copy=True))
+            try:
+                return fn(*args)
+            finally:
+                generator.set_state(now)
+
+    made = _variant(
+        base,
+        replaying,
+        in_avals=base.in_avals + (_STATE_AVAL,),
+        out_avals=base.out_avals,
+        out_names=base.out_names,
+        torch_out_dtypes=base.torch_out_dtypes,
+    )
+    made.draws_random = False  # deterministic given its state
     return made

@@ -46,31 +46,6 @@ def _jaxify_module(module, mode):
     return lambda x: apply(params, x)
 
 
-@pytest.mark.parametrize("wrap", [_closure, _jaxify_module], ids=["closure", "jaxify_module"])
-@pytest.mark.parametrize("mode", ["eager", "graph"])
-def test_a_forward_that_binds_new_tensors_matches_pytorch(mode, wrap):
-    # Inference ran a closure on zeros (it closes over real tensors), which
-    # halved both averages; a trace left the module holding fake tensors; and
-    # jaxify_module's functional_call put the old buffer back after each call.
-    module, twin = _Averaging().to(TORCH_DEVICE), _Averaging().to(TORCH_DEVICE)
-    module.plain, twin.plain = module.plain.to(TORCH_DEVICE), twin.plain.to(TORCH_DEVICE)
-    f = jax.jit(wrap(module, mode))
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        for k in range(3):
-            x = jnp.arange(3.0) * (k + 1)
-            assert_tree_allclose(f(x), to_numpy(twin(to_torch(x))))
-            assert_tree_allclose(to_numpy(module.ema), to_numpy(twin.ema))
-            assert_tree_allclose(to_numpy(module.plain), to_numpy(twin.plain))
-    assert type(module.ema) is torch.Tensor and type(module.plain) is torch.Tensor
-    fallbacks = [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
-    if mode == "eager":
-        assert fallbacks == []
-    else:
-        # A graph cannot replay Python's rebinding: eager, with one warning naming it.
-        assert len(fallbacks) == 1 and "_Averaging.ema, _Averaging.plain" in fallbacks[0], fallbacks
-
-
 class _Holder(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -93,26 +68,50 @@ class _AveragesIntoChild(torch.nn.Module):
         return self.child(x) + self.child.ema
 
 
+def _on_device(module):
+    """``module`` on the tests' device, its plain tensor attributes too."""
+    module = module.to(TORCH_DEVICE)
+    for name, value in list(vars(module).items()):
+        if isinstance(value, torch.Tensor):
+            setattr(module, name, value.to(TORCH_DEVICE))
+    return module
+
+
+@pytest.mark.parametrize(
+    "make, held, names",
+    [
+        # Inference ran a closure on zeros (it closes over real tensors),
+        # which halved both averages; a trace left the module holding fake
+        # tensors; and jaxify_module's functional_call put the old buffer back
+        # after each call.
+        (_Averaging, lambda m: (m.ema, m.plain), "_Averaging.ema, _Averaging.plain"),
+        # Only a forward's own module had its names put back: the run on
+        # zeros that inferred a closure's shapes halved the child's average
+        # (every result 2.0 low), and a trace left the child holding a fake
+        # tensor.
+        (_AveragesIntoChild, lambda m: (m.child.ema,), "_Holder.ema"),
+    ],
+    ids=["its_own", "a_submodules"],
+)
 @pytest.mark.parametrize("wrap", [_closure, _jaxify_module], ids=["closure", "jaxify_module"])
 @pytest.mark.parametrize("mode", ["eager", "graph"])
-def test_a_forward_that_binds_a_submodules_tensor_matches_pytorch(mode, wrap):
-    # Only a forward's own module had its names put back: the run on zeros
-    # that inferred a closure's shapes halved the child's average (every
-    # result 2.0 low), and a trace left the child holding a fake tensor.
-    module, twin = _AveragesIntoChild().to(TORCH_DEVICE), _AveragesIntoChild().to(TORCH_DEVICE)
+def test_a_forward_that_binds_new_tensors_matches_pytorch(mode, wrap, make, held, names):
+    module, twin = _on_device(make()), _on_device(make())
     f = jax.jit(wrap(module, mode))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for k in range(3):
             x = jnp.arange(3.0) * (k + 1)
             assert_tree_allclose(f(x), to_numpy(twin(to_torch(x))))
-            assert_tree_allclose(to_numpy(module.child.ema), to_numpy(twin.child.ema))
-    assert type(module.child.ema) is torch.Tensor
+            for mine, theirs in zip(held(module), held(twin)):
+                assert_tree_allclose(to_numpy(mine), to_numpy(theirs))
+    assert all(type(t) is torch.Tensor for t in held(module))
     fallbacks = [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
     if mode == "eager":
         assert fallbacks == []
     else:
-        assert len(fallbacks) == 1 and "_Holder.ema" in fallbacks[0], fallbacks
+        # A graph cannot replay Python's rebinding: eager, with one warning naming it.
+        assert len(fallbacks) == 1 and names in fallbacks[0], fallbacks
 
 
 class _Binds(torch.nn.Module):
