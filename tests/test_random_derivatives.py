@@ -149,3 +149,19 @@ def test_gradients_of_a_module_with_dropout_are_those_of_its_mask():
     grads, value = expected
     assert_tree_allclose(got, (to_numpy(value), {k: to_numpy(g) for k, g in grads.items()}), rtol=1e-5, atol=1e-5)
     assert torch.equal(after, expected_after)
+
+
+def test_a_taylor_series_is_that_of_the_values_mask():
+    # jet's rule nests jax.jvp over the call, so every order replays the
+    # value's draws; the reference is jet of the same function with the mask
+    # the value call drew from seed 0, in pure JAX.
+    from jax.experimental.jet import jet
+
+    jf = t2j_ad.jaxify(lambda x: _dropout(x) ** 2)
+    x = _X[0]
+    series = ((jnp.ones_like(x), jnp.zeros_like(x)),)
+    taylor = jax.jit(lambda x: jet(jf, (x,), series))
+    jax.block_until_ready(taylor(x))
+    got, _ = _seeded_run(lambda: taylor(x))
+    mask = jnp.asarray(to_numpy(_mask((4,))))
+    assert_tree_allclose(got, jet(lambda x: (x * mask) ** 2, (x,), series))
