@@ -28,7 +28,11 @@ gone from the graph: what is left is the aten ops they issued.
   PyTorch's reason. The warning comes only after the eager call succeeded: a
   function that fails eagerly too just raises its own error. Fallback
   decisions made during a failed trace are discarded
-  (``rules.fallbacks.provisional``).
+  (``rules.fallbacks.provisional``). A trace that made one is traced again,
+  on the path decided: ``make_fx`` records every op that ran, so the graph
+  held the ops of the attempt that failed (``torch.vmap`` of a ``GRUCell``
+  under ``jax.grad``, up to an in-place op that then failed for real on the
+  graph's first run, dropping the graph).
 - Randomness: the graph replays the aten random ops the eager call would run,
   on PyTorch's global generator, so a seeded run draws the same numbers in
   both modes; inductor is told to keep those ops (``fallback_random``).
@@ -242,8 +246,12 @@ def _build_artifact(
     keep_fake_cuda_guard_alive()
     start = time.perf_counter()
     try:
+        decided = dict(base.__dict__.get("fallbacks", {}))
         with provisional(base):
             graph = trace(impl, inputs, grad_enabled)
+        if base.__dict__.get("fallbacks", {}) != decided:  # NOTE [graph mode]: without the failed attempt
+            with provisional(base):
+                graph = trace(impl, inputs, grad_enabled)
     except Exception as err:  # noqa: BLE001 - any failure: run eagerly (NOTE [graph mode])
         return Artifact(None, _reason(err)), None
     traced = time.perf_counter()

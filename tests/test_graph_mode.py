@@ -308,6 +308,31 @@ def test_input_mutation_is_refused_in_graph_mode():
     np.testing.assert_array_equal(np.asarray(x), np.ones(3))
 
 
+def test_a_trace_that_took_a_fallback_holds_only_the_path_taken():
+    # torch.vmap of a GRUCell's vjp fails (its batching fallback broadcasts
+    # into a [1, 6] result) and vmap_method="auto" loops instead; make_fx had
+    # recorded the failed attempt's ops too, and the graph's first run failed
+    # on them for real, so the graph was dropped. The trace runs again on the
+    # path decided.
+    torch.manual_seed(0)
+    module = torch.nn.GRUCell(3, 6).to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(module, compile="graph")
+    x = np.random.default_rng(0).standard_normal((4, 1, 3)).astype(np.float32)
+    per_example = jax.jit(jax.vmap(jax.grad(lambda p, x: (apply(p, x) ** 2).sum()), in_axes=(None, 0)))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = per_example(params, x)
+    assert _compile_warnings(record) == []
+
+    def loss(p, x):
+        return (torch.func.functional_call(module, p, (x,)) ** 2).sum()
+
+    torch_params = {k: to_torch(v) for k, v in params.items()}
+    rows = [torch.func.grad(loss)(torch_params, to_torch(row)) for row in x]
+    expected = {k: np.stack([to_numpy(r[k]) for r in rows]) for k in torch_params}
+    assert_tree_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------- randomness and constants
 
 
@@ -1059,3 +1084,4 @@ def test_dead_graphs_leave_no_generated_source_behind():
     gc.collect()
     assert not (set(graph_module._loader.eval_cache) - before)
     assert not any(key in linecache.cache for key in alive)
+
