@@ -71,7 +71,7 @@ from .output_buffers import (
     writes_into,
     writing_into_outputs,
 )
-from .random_state import watching_seeds
+from .random_state import SeedWatch, generators_in_use
 from .real_writes import trial_run
 from .rules.fallbacks import provisional, warn_once
 from .trace_check import FirstRunNotUndone, checked_first_run
@@ -161,11 +161,13 @@ def trace(fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> torch
 
     def run() -> torch.fx.GraphModule:
         # NOTE [trial runs do not write to real tensors]
-        with torch.autograd.set_grad_enabled(grad_enabled), trial_run() as attributes, watching_seeds() as seeds:
+        with torch.autograd.set_grad_enabled(grad_enabled), trial_run() as attributes:
             # _allow_non_fake_inputs: tensors the function closes over (module
             # buffers) become graph constants, held by reference; their values
             # stay out of Python (NOTE [values a graph would keep]). NOTE
-            # [random state in trial runs]: a function that seeds is refused.
+            # [random state in trial runs]: a function that seeds is refused;
+            # the trial run puts the generators back.
+            seeds = SeedWatch(generators_in_use())
             refusing = refusing_reseeding(refusing_closed_over_reads(fn), seeds)
             graph = make_fx(refusing, _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
         refuse_rebound_attributes(attributes.rebound)

@@ -71,7 +71,9 @@ def random_state_kept() -> Iterator[None]:
 
 
 class SeedWatch:
-    """Tells whether the generators seeded to ``sentinel`` were set since."""
+    """Seeds ``generators`` to a fresh sentinel, then tells whether anything
+    set them since. Made inside a block that puts them back
+    (``random_state_kept``; a trial run's)."""
 
     def __init__(self, generators: list[torch.Generator]) -> None:
         self.sentinel = secrets.randbits(63)
@@ -83,11 +85,3 @@ class SeedWatch:
         """Whether a generator's state was set (seeded, restored) since."""
         return any(g.initial_seed() != self.sentinel for g in self._generators)
 
-
-@contextlib.contextmanager
-def watching_seeds() -> Iterator[SeedWatch]:
-    """Within the block the default generators are seeded to a sentinel, and
-    the yielded watch says whether anything set them since; on leaving it
-    they are as they were before (NOTE [random state in trial runs])."""
-    with random_state_kept():
-        yield SeedWatch(generators_in_use())
