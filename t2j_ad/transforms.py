@@ -102,12 +102,31 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
         dims = tuple(0 if d is None else d for d in in_dims)
         return functorch_levels.vmap(g, full, dims, size)
 
+    def asked_for(vectorized: Flat) -> Flat:
+        # The method the user chose: PyTorch's error, and what runs without torch.vmap.
+        def batched(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            try:
+                return vectorized(*args)
+            except (RuntimeError, NotImplementedError) as err:
+                message = (
+                    f"{err}\n(t2j_ad: this ran under torch.vmap, as vmap_method={t.method!r} asks; if torch.vmap "
+                    f"cannot batch the function, vmap_method='auto' falls back to a loop over the batch, and "
+                    f"vmap_method='sequential' always loops)"
+                )
+                try:
+                    annotated = type(err)(message)
+                except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+                    annotated = RuntimeError(message)
+                raise annotated from err
+
+        return batched
+
     if t.method == "sequential":
         return sequential
     if t.method == "expand_dims":
-        return expand_dims
+        return asked_for(expand_dims)
     if t.method == "broadcast_all":
-        return broadcast_all
+        return asked_for(broadcast_all)
 
     batched = tuple(a.shape for a in t.avals(ins, outs)[1])
 

@@ -254,8 +254,10 @@ def test_auto_fallback_applies_to_derivatives_too():
 def test_explicit_methods_never_fall_back():
     x = randn(4, 3)
     f = t2j_ad.jaxify(_t_item, vmap_method="expand_dims", compile="eager")  # no graph-mode warning either
-    with pytest.raises(RUNTIME_ERRORS, match=r"\.item\(\)"):
+    with pytest.raises(RUNTIME_ERRORS, match=r"\.item\(\)") as refused:
         jax.block_until_ready(jax.vmap(f)(x))
+    # PyTorch's reason, then what would run it
+    assert "vmap_method='auto' falls back to a loop" in str(refused.value)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = jax.vmap(t2j_ad.jaxify(_t_item, vmap_method="sequential", compile="eager"))(x)
