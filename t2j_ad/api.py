@@ -19,9 +19,10 @@ from . import registration  # noqa: F401 - registers torch_call's rules before a
 from .convert import UnsupportedDtypeError, call_device, canonical_jax_dtype, jax_dtype, torch_device, torch_dtype
 from . import graph_mode
 from .graph_mode import resolve_compile_mode
+from . import replayed_calls
 from .inference import infer_outputs
 from .primitive import torch_call
-from .runtime import TorchCallError, check_environment, not_a_tensor
+from .runtime import TorchCallError, check_environment, not_a_tensor, not_dense
 from .torch_fn import VMAP_METHODS, Aval, BaseFn, TorchFn
 
 _live_functions: weakref.WeakSet = weakref.WeakSet()
@@ -88,6 +89,13 @@ class _Signature:
     def __init__(self, base: BaseFn, out_tree: Any):
         self.base = base
         self.out_tree = out_tree
+
+
+def _effects_finder(
+    raw: Callable[..., Any], in_avals: tuple[Aval, ...], name: str, device: torch.device
+) -> Callable[[], Any]:
+    """What a new trial run of ``raw`` sees it do besides computing its outputs."""
+    return lambda: infer_outputs(raw, in_avals, name, device).effects
 
 
 class JaxifiedFunction:
@@ -209,18 +217,21 @@ class JaxifiedFunction:
                     raise TypeError(f"jaxify: {where}: {err}") from None
             mutation_checked = False
             inferred_on = None
-            draws_random = None
+            effects = None
         else:
             # NOTE [inference on the call's device] in inference.py
-            inferred = infer_outputs(raw, in_avals, self.name, torch_device(call_device(arrays)))
+            call_on = torch_device(call_device(arrays))
+            inferred = infer_outputs(raw, in_avals, self.name, call_on)
             inferred_on = inferred.device
-            draws_random = inferred.draws_random
+            effects = inferred.effects
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred.outputs, is_leaf=_is_output_leaf)
             declared = []
             for path, leaf in with_paths:
                 where = f"output{jax.tree_util.keystr(path)}"
                 if not isinstance(leaf, torch.Tensor):
                     raise not_a_tensor(self.name, where, leaf)
+                if leaf.layout != torch.strided:
+                    raise not_dense(self.name, where, leaf)
                 try:
                     dtype = jax_dtype(leaf.dtype)
                 except UnsupportedDtypeError as err:
@@ -256,7 +267,10 @@ class JaxifiedFunction:
             direct_single=direct is not None and flat.single_tensor,
             batch_in_dims=self._batch_in_dims(in_tree, in_avals, out_avals),
             compile=self.compile,
-            draws_random=draws_random,
+            effects=effects,
+            # NOTE [derivatives replay the value's draws]: the effects for
+            # the modules' training flags as they are now.
+            find_effects=None if effects is None else _effects_finder(raw, in_avals, self.name, call_on),
         )
         return _Signature(base, out_tree)
 
@@ -318,7 +332,8 @@ class JaxifiedFunction:
         setting of the training flags of the modules they run),
         ``eager_fallbacks`` (TorchFns that could not be traced and run
         eagerly), ``trace_seconds`` and ``compile_seconds`` (inductor) spent."""
-        artifacts = [a for entry in list(self._cache.values()) for a in graph_mode.artifacts(entry.base)]
+        bases = [b for entry in list(self._cache.values()) for b in (entry.base, *replayed_calls.variants(entry.base))]
+        artifacts = [a for base in bases for a in graph_mode.artifacts(base)]
         return {
             "graphs": sum(a.run is not None for a in artifacts),
             "eager_fallbacks": sum(a.run is None for a in artifacts),

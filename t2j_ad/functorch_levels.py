@@ -203,11 +203,17 @@ def _direct_vjp(fn: Flat, primals: Sequence[torch.Tensor], cotangents: Sequence[
             _hooks_disable(previous_message)
 
 
-def wrapped_by_a_transform(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a ``torch.func`` transform's wrapper (batched or
-    differentiated), not a tensor with storage of its own."""
-    is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)  # private
-    return bool(is_wrapped(t)) if is_wrapped is not None else False
+def unbatched_value(t: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor under ``t``'s ``torch.func`` wrappers (inside a
+    gradient transform, every op's result is wrapped at its level), or None
+    when one of them is ``torch.vmap``'s: then ``t`` holds one value per
+    example, not one value."""
+    functorch = torch._C._functorch  # private
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return None
+        t = functorch.get_unwrapped(t)
+    return t
 
 
 def outside_transforms() -> contextlib.AbstractContextManager[None]:

@@ -29,8 +29,10 @@ from typing import Any, NamedTuple
 import torch
 
 from .convert import torch_dtype
+from .module_modes import recording_module_modes
 from .random_state import RandomOpsSeen
 from .real_writes import trial_run
+from .replayed_calls import Effects
 from .runtime import InputMutationError, TorchCallError
 from .torch_fn import Aval
 
@@ -40,22 +42,22 @@ _CPU = torch.device("cpu")
 
 
 class Inferred(NamedTuple):
-    """What inference found: the function's outputs, where it ran, and
-    whether it drew random numbers (NOTE [derivatives replay the value's
-    draws] in random_calls.py)."""
+    """What inference found: the function's outputs, where it ran, and what
+    else it did: drew random numbers, wrote state it keeps (NOTE
+    [derivatives replay the value's draws] in replayed_calls.py)."""
 
     outputs: Any
     device: torch.device  # meta, or where the zeros were
-    draws_random: bool
+    effects: Effects
 
 
-def _run(fn: Callable[..., Any], avals: Sequence[Aval], device: torch.device, name: str) -> tuple[Any, bool]:
-    """``fn``'s outputs on inputs made on ``device``, and whether it drew random numbers."""
+def _run(fn: Callable[..., Any], avals: Sequence[Aval], device: torch.device, name: str) -> tuple[Any, Effects]:
+    """``fn``'s outputs on inputs made on ``device``, and what else it did."""
     make = torch.empty if device == _META else torch.zeros
     inputs = [make(a.shape, dtype=torch_dtype(a.dtype), device=device) for a in avals]
     versions = [t._version for t in inputs]
     # NOTE [trial runs do not write to real tensors]
-    with torch.no_grad(), trial_run(), RandomOpsSeen() as random_ops:
+    with torch.no_grad(), recording_module_modes() as modes, trial_run() as run, RandomOpsSeen() as random_ops:
         outputs = fn(*inputs)
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
     if mutated:
@@ -65,7 +67,7 @@ def _run(fn: Callable[..., Any], avals: Sequence[Aval], device: torch.device, na
             f"not write into their inputs (JAX arrays are immutable). Clone the "
             f"input first (x = x.clone()) or use the out-of-place op."
         )
-    return outputs, random_ops.seen
+    return outputs, Effects(random_ops.seen, run.state_written(), modes.modes())
 
 
 def devices_to_try(device: torch.device) -> list[torch.device]:
@@ -83,8 +85,8 @@ def infer_outputs(fn: Callable[..., Any], avals: Sequence[Aval], name: str, devi
     call's (then on the other devices ``devices_to_try`` names: NOTE
     [inference on the call's device]); return what it returned, and where."""
     try:
-        outputs, drew = _run(fn, avals, _META, name)
-        return Inferred(outputs, _META, drew)
+        outputs, effects = _run(fn, avals, _META, name)
+        return Inferred(outputs, _META, effects)
     except InputMutationError:
         raise
     except Exception:  # noqa: BLE001 - no meta kernel, or needs real data
@@ -92,8 +94,8 @@ def infer_outputs(fn: Callable[..., Any], avals: Sequence[Aval], name: str, devi
     first: tuple[torch.device, Exception] | None = None
     for where in devices_to_try(device):
         try:
-            outputs, drew = _run(fn, avals, where, name)
-            return Inferred(outputs, where, drew)
+            outputs, effects = _run(fn, avals, where, name)
+            return Inferred(outputs, where, effects)
         except InputMutationError:
             raise
         except Exception as err:  # noqa: BLE001 - reported below if no device works

@@ -16,8 +16,12 @@ runs go through a dispatch mode that copies a real tensor's value before its
 first in-place write, and puts every such value back when the run ends. An
 in-place write is an argument the op's schema marks as written, and the
 running statistics batch norm's kernels update unmarked
-(``_UNDECLARED_WRITES``). The calls themselves make the writes, once each,
-as in PyTorch.
+(``_UNDECLARED_WRITES``). The calls themselves make the writes: a value
+call once, as in PyTorch, and a derivative call none (NOTE [derivatives do
+not write again] in state_writes.py). The same dispatch mode tells which
+written tensors the function keeps between calls: one bound to a module
+that ran, or one no op of the run made (the storages of every op's fresh
+results are noted); the others are its own temporaries.
 
 A module's ``forward`` may also rebind an attribute to a new tensor
 (``self.ema = 0.5 * self.ema + 0.5 * x``), or one of a submodule's
@@ -39,13 +43,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # private: see the NOTE
 
 from .random_state import random_state_kept
+from .state_writes import StateWrites
 
 
 _aten = torch.ops.aten
@@ -58,15 +63,27 @@ _UNDECLARED_WRITES = {
     _aten.cudnn_batch_norm.default: (3, 4),
     _aten.miopen_batch_norm.default: (3, 4),
 }
+# Ops whose schema says their result aliases the argument, but which hand a
+# tensor made from Python data to the dispatcher (``torch.tensor([...])``):
+# a tensor the call made, not one it keeps.
+_FRESH_ALIASES = {_aten.lift_fresh.default}
 
 
 class RealWritesUndone(TorchDispatchMode):
     """Within the block, note each real tensor's value before its first
-    in-place write; on leaving it, put every noted value back."""
+    in-place write; on leaving it, put every noted value back. Also tells
+    which tensors kept between calls the block wrote (``state_written``):
+    those no op of the block made, and those bound to a module
+    (``owner_of``: the module and name a tensor is bound to, if any)."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner_of: Callable[[torch.Tensor], tuple[torch.nn.Module, str] | None] | None = None) -> None:
         super().__init__()
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._owner_of = owner_of
+        self._made: set[int] = set()  # data pointers of the storages ops of the block made
+        self._closed_over: dict[int, torch.Tensor] = {}
+        # (module id, name) -> (module, name, shape, dtype)
+        self._in_modules: dict[tuple[int, str], tuple[torch.nn.Module, str, torch.Size, torch.dtype]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
@@ -74,10 +91,47 @@ class RealWritesUndone(TorchDispatchMode):
         marked = [i for i, argument in enumerate(schema) if argument.alias_info and argument.alias_info.is_write]
         for i in (*marked, *_UNDECLARED_WRITES.get(func, ())):
             written = args[i] if i < len(args) else kwargs.get(schema[i].name)
+            if not isinstance(written, torch.Tensor):
+                continue
+            self._note_state(written)
             if type(written) is torch.Tensor and written.device.type != "meta" and id(written) not in self.saved:
                 with _disable_current_modes():  # a real copy, not a fake one
                     self.saved[id(written)] = (written, written.detach().clone())
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        self._note_made(func, result)
+        return result
+
+    def _note_made(self, func, result: Any) -> None:  # noqa: ANN001
+        """Note the storages of the tensors ``func`` made (not views of its arguments)."""
+        returns = func._schema.returns
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        for returned, r in zip(returns, results):
+            fresh = returned.alias_info is None or func in _FRESH_ALIASES
+            if fresh and type(r) is torch.Tensor and r.device.type != "meta" and r.layout == torch.strided:
+                self._made.add(r.untyped_storage().data_ptr())
+
+    def _note_state(self, written: torch.Tensor) -> None:
+        """Note ``written`` as kept between calls if a module holds it or no op made it."""
+        whole = written._base if written._base is not None else written
+        owner = self._owner_of(whole) if self._owner_of is not None else None
+        if owner is not None:
+            self._in_modules.setdefault((id(owner[0]), owner[1]), (*owner, whole.shape, whole.dtype))
+        elif (
+            type(whole) is torch.Tensor
+            and whole.device.type != "meta"
+            and whole.layout == torch.strided  # a sparse tensor has no storage to compare
+            and whole.numel()
+            and whole.untyped_storage().data_ptr() not in self._made
+        ):
+            self._closed_over.setdefault(id(whole), whole)
+
+    def state_written(self) -> StateWrites:
+        """The tensors kept between calls that the block wrote in place."""
+        closed_over = tuple(self._closed_over.values())
+        in_modules = tuple(self._in_modules.values())
+        layouts = tuple((t.shape, t.dtype) for t in closed_over)
+        layouts += tuple((shape, dtype) for *_, shape, dtype in in_modules)
+        return StateWrites(closed_over, tuple((module, name) for module, name, *_ in in_modules), layouts)
 
     def __exit__(self, *exc: Any) -> Any:
         result = super().__exit__(*exc)
@@ -107,21 +161,28 @@ class ModuleAttributesKept:
     def __init__(self) -> None:
         self.rebound: list[str] = []
         self._thread = threading.get_ident()
-        # One frame per forward running, outermost first: the module, and the
-        # modules it was first to note (itself and those under it).
-        self._open: list[tuple[torch.nn.Module, _Noted]] = []
+        # One frame per forward running, outermost first: the module, the
+        # modules it was first to note (itself and those under it), and the
+        # module and name each tensor bound in those was bound to.
+        self._open: list[tuple[torch.nn.Module, _Noted, dict[int, tuple[torch.nn.Module, str]]]] = []
         self._noted: set[int] = set()  # ids of the modules some open frame noted
 
     def _starts(self, module: torch.nn.Module, args: Any) -> None:
         if threading.get_ident() != self._thread:
             return
         noted: _Noted = {}
+        owners: dict[int, tuple[torch.nn.Module, str]] = {}
         if id(module) not in self._noted:  # else an open frame noted it and those under it
             for sub in module.modules():
                 if id(sub) not in self._noted:
                     self._noted.add(id(sub))
-                    noted[id(sub)] = (sub, tuple(dict(table) for table in _attribute_tables(sub)))
-        self._open.append((module, noted))
+                    tables = tuple(dict(table) for table in _attribute_tables(sub))
+                    noted[id(sub)] = (sub, tables)
+                    for table in tables:
+                        for name, value in table.items():
+                            if isinstance(value, torch.Tensor):
+                                owners.setdefault(id(value), (sub, name))
+        self._open.append((module, noted, owners))
 
     def _ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if threading.get_ident() != self._thread:
@@ -144,6 +205,14 @@ class ModuleAttributesKept:
                             table[name] = old
                         self.rebound.append(f"{type(module).__name__}.{name}")
 
+    def owner_of(self, tensor: torch.Tensor) -> tuple[torch.nn.Module, str] | None:
+        """The module (of those noted now) and name ``tensor`` is bound to, if any."""
+        for _, _, owners in self._open:
+            owner = owners.get(id(tensor))
+            if owner is not None:
+                return owner
+        return None
+
     @contextlib.contextmanager
     def watching(self) -> Iterator[ModuleAttributesKept]:
         hooks = torch.nn.modules.module
@@ -158,12 +227,46 @@ class ModuleAttributesKept:
                 self._put_back(self._open.pop()[1])
 
 
+class TrialRun:
+    """What a trial run found: the module attributes it rebound, and the
+    tensors kept between calls that it wrote (once the run has ended)."""
+
+    def __init__(self, attributes: ModuleAttributesKept, writes: RealWritesUndone) -> None:
+        self._attributes = attributes
+        self._writes = writes
+
+    @property
+    def rebound(self) -> list[str]:
+        """Each attribute rebound, as ``Class.name``."""
+        return self._attributes.rebound
+
+    def state_written(self) -> StateWrites:
+        """The tensors kept between calls that the run wrote in place (NOTE
+        [derivatives do not write again] in state_writes.py)."""
+        return self._writes.state_written()
+
+
+# NOTE [one trial run at a time]
+# Trial runs change process-wide state for their length: a trace seeds
+# PyTorch's generators to its sentinel, and every trial run puts the
+# generators back as it found them when it ends. Two at once on different
+# threads (a jitted value and its gradient called first from two threads)
+# undid each other's seeding, so a trace took the other's restore for the
+# function setting the random state, and refused a function that never
+# touches it; make_fx is not reentrant across threads either. Trial runs are
+# rare (once per signature and per transform), so they take turns.
+_one_trial_run = threading.RLock()
+
+
 @contextlib.contextmanager
-def trial_run() -> Iterator[ModuleAttributesKept]:
+def trial_run() -> Iterator[TrialRun]:
     """A run of the user's function made only to learn something: the real
     tensors it closes over, the attributes of the modules it runs, and
     PyTorch's random state are as they were when the block ends (NOTE [trial
     runs do not write to real tensors], NOTE [random state in trial runs]);
-    yields what records the attributes it rebound."""
-    with ModuleAttributesKept().watching() as attributes, RealWritesUndone(), random_state_kept():
-        yield attributes
+    yields what records the attributes it rebound and the state it wrote.
+    One at a time in the process (NOTE [one trial run at a time])."""
+    with _one_trial_run, ModuleAttributesKept().watching() as attributes:
+        writes = RealWritesUndone(attributes.owner_of)
+        with writes, random_state_kept():
+            yield TrialRun(attributes, writes)

@@ -108,6 +108,14 @@ def not_a_tensor(fn_name: str, where: str, value: object) -> TorchCallError:
     )
 
 
+def not_dense(fn_name: str, where: str, value: torch.Tensor) -> TorchCallError:
+    """The error for an output in a layout XLA's buffers cannot take (sparse, MKL-DNN)."""
+    return TorchCallError(
+        f"{fn_name}: {where} is a tensor of layout {value.layout}; JAX arrays are dense, so return "
+        f"a dense (strided) tensor: call .to_dense() on it."
+    )
+
+
 # NOTE [forward AD is process-wide]
 # PyTorch's forward-mode AD levels (torch.func.jvp, torch.autograd.forward_ad)
 # are global to the process, not per thread. XLA runs one custom call per
@@ -409,6 +417,8 @@ class _Runner:
         for name, r, aval in zip(self.out_names, results, self.out_avals):
             if not isinstance(r, torch.Tensor):
                 raise not_a_tensor(self.name, name, r)
+            if r.layout != torch.strided:
+                raise not_dense(self.name, name, r)
             if tuple(r.shape) != aval.shape:
                 raise TorchCallError(
                     f"{self.name}: {name} has shape {tuple(r.shape)}, but "
@@ -470,13 +480,23 @@ class _Runner:
         )
 
 
+class _RunnerWithEffects(_Runner):
+    """The runner of a function whose calls hold a lock and put back what
+    they write (``BaseFn.call_effects``: NOTE [derivatives replay the
+    value's draws] in replayed_calls.py), around the whole call."""
+
+    def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
+        with self.base.call_effects():
+            super().__call__(inputs, outputs, stream)
+
+
 def runner_for(fun: TorchFn) -> _Runner:
     """The cached runner of ``fun`` (one per TorchFn object)."""
     runner = fun.__dict__.get("_runner")
     if runner is None:
         # Process-wide and applied once; see NOTE [heap trimming].
         tune_malloc()
-        runner = _Runner(fun)
+        runner = (_Runner if fun.base.call_effects is None else _RunnerWithEffects)(fun)
         # TorchFn is frozen; the runner is a cache, not part of its value.
         object.__setattr__(fun, "_runner", runner)
     return runner

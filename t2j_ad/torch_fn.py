@@ -119,7 +119,8 @@ class BaseFn:
         direct_single: bool = False,
         batch_in_dims: tuple[int | None, ...] | None = None,
         compile: str = "eager",
-        draws_random: bool | None = None,
+        effects: Any = None,
+        find_effects: Callable[[], Any] | None = None,
     ):
         self.fn = fn
         # How each TorchFn of this function runs: "eager", "graph" or
@@ -156,10 +157,17 @@ class BaseFn:
         # others; None when not declared. Every output is mapped at axis 0.
         # (NOTE [partitioning torch_call] in rules/partitioning.py.)
         self.batch_in_dims = batch_in_dims
-        # Whether the function draws random numbers, as its shape inference
-        # saw; None when output_shapes skipped that run (NOTE [derivatives
-        # replay the value's draws] in random_calls.py).
-        self.draws_random = draws_random
+        # What the function does besides computing its outputs (draws
+        # random numbers, writes state it keeps), as its shape inference saw
+        # (a replayed_calls.Effects); None when output_shapes skipped that
+        # run. ``find_effects`` runs another trial run for the modules'
+        # training flags as they are now (NOTE [derivatives replay the
+        # value's draws] in replayed_calls.py).
+        self.effects = effects
+        self.find_effects = find_effects
+        # A context manager each call of this function runs in, or None:
+        # the lock and the put-back of writes of replayed calls.
+        self.call_effects: Callable[[], Any] | None = None
         self.built: dict[tuple[Transform, ...], Callable[..., tuple[Any, ...]]] = {}
         self.lock = threading.Lock()
 
@@ -175,10 +183,9 @@ class BaseFn:
         local.built = {}
         local.__dict__.pop("graphs", None)
         local.__dict__.pop("graph_lock", None)
-        # Nor do the functions that keep and replay its random state
-        # (NOTE [derivatives replay the value's draws] in random_calls.py).
-        local.__dict__.pop("keeping_state", None)
-        local.__dict__.pop("replaying_state", None)
+        # Nor do the functions that keep and replay its calls (NOTE
+        # [derivatives replay the value's draws] in replayed_calls.py).
+        local.__dict__.pop("replayed_calls", None)
         local.lock = threading.Lock()
         return local
 

@@ -120,6 +120,16 @@ def test_non_tensor_outputs_name_the_output(fn, what):
         t2j_ad.jaxify(fn)(jnp.ones(2))
 
 
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_sparse_output_is_refused_by_name_with_the_fix(declared):
+    # XLA's buffers are dense: a sparse result failed inside copy_ ("copy_()
+    # between dense and sparse Tensors is not implemented"), naming nothing.
+    shapes = {"output_shapes": (jax.ShapeDtypeStruct((2,), jnp.float32), jax.ShapeDtypeStruct((2, 2), jnp.float32))}
+    f = t2j_ad.jaxify(lambda x: (x, torch.diag(x).to_sparse()), **(shapes if declared else {}))
+    with pytest.raises(RUNTIME_ERRORS, match=r"output\[1\] is a tensor of layout torch.sparse_coo.*\.to_dense\(\)"):
+        jax.block_until_ready(f(jnp.ones(2)))
+
+
 def test_non_tensor_output_with_output_shapes_names_the_output():
     f = t2j_ad.jaxify(
         lambda x: (x, 2.0),

@@ -1,5 +1,5 @@
 """Derivatives of a function that draws random numbers replay the draws of
-its value: NOTE [derivatives replay the value's draws] in random_calls.py.
+its value: NOTE [derivatives replay the value's draws] in replayed_calls.py.
 
 Every result is held against ``torch.func`` on the same function from the
 same seed, and PyTorch's global random sequence must be where ``torch.func``
@@ -114,6 +114,49 @@ def test_per_example_gradients_draw_one_mask_per_example():
     rows = lambda: torch.stack([torch.func.grad(_square_loss(_dropout))(row) for row in to_torch(_X)])  # noqa: E731
     expected, expected_after = _seeded_run(rows)
     assert_tree_allclose(got, to_numpy(expected))
+    assert torch.equal(after, expected_after)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_the_gradient_through_a_batched_call_replays_each_examples_draws(mode):
+    # jax.vmap inside jax.grad: the JVP rule meets the function batched
+    # first, and its vjp call drew new masks (wrong in every entry a mask
+    # differed) before the rule also replayed batched calls.
+    jf = t2j_ad.jaxify(_dropout, compile=mode)
+    gradient = jax.jit(jax.value_and_grad(lambda x: (jax.vmap(jf)(x) ** 2).sum()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # the loop and the eager derivatives, announced
+        jax.block_until_ready(gradient(_X))
+        got, after = _seeded_run(lambda: gradient(_X))
+
+    def rows():
+        pairs = [torch.func.grad_and_value(_square_loss(_dropout))(row) for row in to_torch(_X)]
+        return sum(v for _, v in pairs), torch.stack([g for g, _ in pairs])
+
+    expected, expected_after = _seeded_run(rows)
+    assert_tree_allclose(got, jax.tree_util.tree_map(to_numpy, expected))
+    assert torch.equal(after, expected_after)
+
+
+def test_a_module_inferred_in_eval_mode_replays_its_draws_once_in_training_mode():
+    # Shape inference ran in eval mode, where dropout draws nothing; the JVP
+    # rule finds the module's flags changed and looks again.
+    torch.manual_seed(1)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    module = module.to(TORCH_DEVICE).eval()
+    apply, params = t2j_ad.jaxify_module(module)
+    jax.block_until_ready(apply(params, _X))
+    module.train()
+    loss = jax.jit(jax.grad(lambda p, x: (apply(p, x) ** 2).sum()))
+    jax.block_until_ready(loss(params, _X))
+    got, after = _seeded_run(lambda: loss(params, _X))
+
+    def torch_loss(p, x):
+        return (torch.func.functional_call(module, p, (x,)) ** 2).sum()
+
+    torch_params = {k: to_torch(v) for k, v in params.items()}
+    expected, expected_after = _seeded_run(lambda: torch.func.grad(torch_loss)(torch_params, to_torch(_X)))
+    assert_tree_allclose(got, {k: to_numpy(g) for k, g in expected.items()}, rtol=1e-5, atol=1e-5)
     assert torch.equal(after, expected_after)
 
 

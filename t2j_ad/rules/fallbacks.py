@@ -59,6 +59,16 @@ class FallbackWarning(UserWarning):
 # An inner level on the torch.autograd.grad path, run inside a torch.func
 # transform (see NOTE [fallbacks]).
 _INNER_AUTOGRAD = "inside of a function being transformed by a functorch transform"
+# A write into a tensor the function closes over: a module in training mode
+# updating its running statistics (BatchNorm), or any state of its own.
+# torch.func refuses it; plain autograd runs it as PyTorch's own backward
+# does, and the write is made once per call (NOTE [derivatives do not write
+# again] in replayed_calls.py).
+_CAPTURED_WRITE = "that would mutate a captured Tensor"
+_CAPTURED_WRITE_ADVICE = (
+    " (The function writes in place into a tensor it closes over, e.g. BatchNorm's running statistics in "
+    "training mode.)"
+)
 # Forward-mode refusals -> the advice the fallback warning adds.
 _FORWARD_REFUSALS = {
     "You must implement the jvp function": " Define a jvp staticmethod on the autograd.Function to avoid it.",
@@ -69,6 +79,7 @@ _FORWARD_REFUSALS = {
     # closed over); reverse mode has no such formula, so the trick works.
     "ZeroTensors are immutable": " (A PyTorch forward-mode formula failed; reverse mode has no such formula.)",
     "doesn't have storage": " (The function reads a tensor's data, e.g. with .numpy(), which torch.func cannot trace.)",
+    _CAPTURED_WRITE: _CAPTURED_WRITE_ADVICE,
 }
 # Reverse-mode refusals -> the advice the fallback warning adds.
 _FUNCTORCH_REFUSALS = {
@@ -80,6 +91,7 @@ _FUNCTORCH_REFUSALS = {
     # torch.func: its wrapper tensors have none. autograd.grad runs the
     # function on plain tensors, where the read works (and is a constant).
     "doesn't have storage": " (The function reads a tensor's data, e.g. with .numpy(), which torch.func cannot trace.)",
+    _CAPTURED_WRITE: _CAPTURED_WRITE_ADVICE,
 }
 
 

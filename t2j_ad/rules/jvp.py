@@ -3,9 +3,9 @@
 The tangent call is linear in its tangent inputs, so JAX's partial evaluation
 splits it off cleanly and transpose.py can turn it into a Vjp call: reverse
 mode is JAX's own linearize-then-transpose. A function that draws random
-numbers binds instead a primal call that also returns the generator state it
-started from, and a tangent call that replays that state (NOTE [derivatives
-replay the value's draws] in random_calls.py).
+numbers, or writes into state it keeps, binds instead a primal call that also
+returns a token (the generator state it started from) and a tangent call that
+replays it (NOTE [derivatives replay the value's draws] in replayed_calls.py).
 """
 
 from __future__ import annotations
@@ -14,16 +14,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..primitive import torch_call
-from ..random_calls import draws_random, keeping_state, replaying_state
-from ..torch_fn import Jvp, TorchFn
+from ..replayed_calls import Effects, effects, keeping_and_replaying
+from ..torch_fn import Jvp, TorchFn, Vmap
 from .fallbacks import warn_once
 
 
 def torch_call_jvp(
     primals: Sequence[Any], tangents: Sequence[Any | None], *, fun: TorchFn
 ) -> tuple[list[Any], list[Any | None]]:
-    if not fun.transforms and draws_random(fun.base):
-        if fun.base.compile != "eager":
+    seen = effects(fun.base) if all(type(t) is Vmap for t in fun.transforms) else None
+    if seen:
+        if seen.draws_random and fun.base.compile != "eager":
             warn_once(
                 fun.base,
                 "random derivatives",
@@ -32,7 +33,7 @@ def torch_call_jvp(
                 f"call's draws by setting PyTorch's generator, which a graph cannot do. Results are exact; only "
                 f"speed differs. Pass the randomness in as an input (a dropout mask) to keep the graph.",
             )
-        return _jvp_replaying_draws(primals, tangents, fun)
+        return _jvp_replaying(primals, tangents, fun, seen)
     return torch_call(primals, fun), _tangents(primals, tangents, fun)
 
 
@@ -51,17 +52,22 @@ def _tangents(primals: Sequence[Any], tangents: Sequence[Any | None], fun: Torch
     return out_tangents
 
 
-def _jvp_replaying_draws(
-    primals: Sequence[Any], tangents: Sequence[Any | None], fun: TorchFn
+def _jvp_replaying(
+    primals: Sequence[Any], tangents: Sequence[Any | None], fun: TorchFn, seen: Effects
 ) -> tuple[list[Any], list[Any | None]]:
-    """NOTE [derivatives replay the value's draws]: the value call keeps the
-    generator state it started from, and the tangent call replays it.
-    ``fun`` may itself be such a value call (an outer derivative over it),
-    whose outputs end with the state."""
-    keeping = keeping_state(fun.base)
-    *outs, state = torch_call(primals, TorchFn.of(keeping))
-    out_tangents = _tangents([*primals, state], [*tangents, None], TorchFn.of(replaying_state(fun.base)))
+    """NOTE [derivatives replay the value's draws]: the value call returns a
+    token (the generator state it started from), and the tangent call
+    replays it. ``fun`` is the function batched by ``jax.vmap`` (its
+    transforms are Vmaps), and may itself be such a value call (an outer
+    derivative over it), whose outputs end with the token."""
+    keeping, replaying = keeping_and_replaying(fun.base, seen)
+    kept, replayed = TorchFn.of(keeping), TorchFn.of(replaying)
+    for vmap in fun.transforms:  # the token is batched, one per example
+        kept = kept.append(vmap)
+        replayed = replayed.append(Vmap(vmap.in_dims + (0,), vmap.axis_size, vmap.method))
+    *outs, token = torch_call(primals, kept)
+    out_tangents = _tangents([*primals, token], [*tangents, None], replayed)
     if fun.base is keeping:
-        outs.append(state)
+        outs.append(token)
         out_tangents.append(None)  # an integer output: float0 zeros
     return outs, out_tangents

@@ -9,6 +9,7 @@ functions themselves.
 from __future__ import annotations
 
 import gc
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -323,3 +324,40 @@ def test_pmap_gradients_of_a_random_function_replay_each_devices_draws():
         y, g = jax.pmap(value_and_pullback)(x4)
         assert_tree_allclose(g, 4 * y * (jnp.cos(x4) + 1), rtol=1e-4, atol=1e-4)
         assert 0 < int(jnp.sum(y == 0)) < y.size  # it did drop some
+
+
+class _Average(torch.nn.Module):
+    """Scales its input by a running average it updates in place first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("average", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.average.mul_(0.5).add_(0.5)
+        return x * self.average
+
+
+def test_pmap_gradients_of_a_stateful_module_start_from_each_devices_state():
+    # NOTE [derivatives do not write again]: the 4 devices' value calls update
+    # the average in turn, in an order XLA's threads choose; each device's
+    # derivative must start from the state its own value call started from
+    # (dy/dx is the average its value used: y / x) and leave the state as
+    # the value calls left it: 4 updates from 0 give 1 - 1/16, not 1 - 1/256.
+    module = _Average()
+    apply, params = t2j_ad.jaxify_module(module)
+
+    def value_and_pullback(x):
+        y, pullback = jax.vjp(lambda x: apply(params, x), x)
+        return y, pullback(jnp.ones_like(y))[0]
+
+    x4 = jnp.arange(1, 4 * 8 + 1, dtype=jnp.float32).reshape(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", t2j_ad.FallbackWarning)  # torch.autograd.grad for the captured write
+        for step in range(1, 4):
+            y, g = jax.pmap(value_and_pullback)(x4)
+            assert_tree_allclose(g, y / x4, rtol=1e-6)
+            used = sorted(float(a) for a in (y / x4)[:, 0])
+            assert np.allclose(used, [1 - 0.5 ** (4 * (step - 1) + k) for k in range(1, 5)]), used
+            assert float(module.average) == pytest.approx(1 - 0.5 ** (4 * step))

@@ -1,0 +1,279 @@
+"""The derivatives of a function with side effects replay its value call:
+the same random draws, and no second write into the state it keeps.
+
+NOTE [derivatives replay the value's draws]
+A derivative is a PyTorch call of its own (NOTE [every derivative is a
+PyTorch function]) that runs the function's forward again. For a function
+that draws random numbers (dropout), the second forward drew new numbers:
+``jax.grad`` of a loss that needs the value (a sum of squares) seeded the
+gradient with one dropout mask and pulled it back through another, so the
+gradient was that of no mask at all (with ``p=0.5``, half the true one on
+average), and ``jax.value_and_grad`` or ``jax.jvp`` paired a value with the
+derivative of another draw. ``torch.utils.checkpoint`` meets the same
+problem in its recompute, and restores the random state for it. A function
+that writes into tensors it keeps between calls (running statistics) wrote
+again in every derivative call (NOTE [derivatives do not write again] in
+state_writes.py).
+
+So the JVP rule of such a function (``effects``: what shape inference saw it
+do; a function whose ``output_shapes`` skipped that run is not known to have
+any, and keeps the old behaviour), and of the function batched by
+``jax.vmap`` first, binds two other functions of the same base:
+
+- ``keeping``: the function, returning also one more output, the *token*:
+  bytes holding the state of the call device's generator *before* it ran
+  (``STATE_BYTES``, the CPU generator's size; a CUDA generator's 16 bytes
+  are zero-padded), for a function that draws, then the value each tensor
+  it writes had before it wrote it (NOTE [derivatives do not write again]
+  in state_writes.py). It draws from PyTorch's global generator as the
+  function itself does, so the numbers after a given ``torch.manual_seed``
+  are PyTorch's, and it makes the function's writes, once.
+- ``replaying``: the function with the token as one more input, after its
+  own. It sets the generator and the tensors it writes to the token's
+  values, runs, and puts them back as it found them, so it draws the
+  value's numbers and computes from the value's state, and leaves the
+  global sequence and the state where the value call left them.
+  Deterministic and without effects, so derivatives of it (its Jvp, the
+  transpose's Vjp, a Hessian's Jvp of that Vjp) take the ordinary rules and
+  all replay the same call.
+
+The token ties every derivative call to the value call: JAX cannot leave the
+value call out (``jax.grad`` of a loss linear in the outputs needs no value
+under ``jax.jit``), and runs it first. The JVP rule of ``keeping`` itself (an
+outer derivative over the value call) maps back to the same pair. A function
+that draws runs both eagerly in every compile mode, with one
+``FallbackWarning`` in graph mode: a graph would keep the generator state it
+read while tracing; one that only writes keeps its graphs. Batched
+(``jax.vmap``), the token is batched too, one per example, in the loop that
+random ops and running statistics need under ``jax.vmap``. Calls of either
+kind hold one process-wide lock: a replaying call sets the generator every
+thread draws from, and puts back tensors another thread's value call would
+write meanwhile (a pmap over CPU devices).
+
+What a function does depends on the training flags of the modules it runs
+(dropout draws only in training mode), so the effects are found again, by
+another trial run, when the JVP rule meets flags other than inference saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .functorch_levels import outside_transforms, unbatched_value
+from .module_modes import ModuleModes, modes_hold
+from .state_writes import NO_WRITES, StateWrites, WritesPutBack, pack, slots_found, unpack_into
+from .torch_fn import Aval, BaseFn
+
+# The CPU generator's state (mt19937), the largest a generator has.
+STATE_BYTES = int(torch.default_generator.get_state().numel())
+# Held by every keeping and replaying call (NOTE [derivatives replay the
+# value's draws]); reentrant, for a call that reaches another on its thread.
+_effects_lock = threading.RLock()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Effects:
+    """What a function does besides computing its outputs, as a trial run
+    saw it: whether it draws random numbers, what state it writes in place,
+    and the training flags of the modules it ran then."""
+
+    draws_random: bool
+    writes: StateWrites
+    modes: ModuleModes
+
+    def __bool__(self) -> bool:
+        return self.draws_random or bool(self.writes)
+
+
+NO_EFFECTS = Effects(False, NO_WRITES, ())
+
+
+def effects(base: BaseFn) -> Effects:
+    """What ``base`` does besides computing its outputs (NOTE [derivatives
+    replay the value's draws]): as its shape inference saw, or, when the
+    modules it runs have other training flags now, as a new trial run sees.
+    None of it when ``output_shapes`` skipped inference: the function is
+    then never run to learn anything (as torch2jax promises), and its
+    derivatives draw and write again, as before."""
+    seen: Effects | None = base.effects
+    if seen is None or getattr(base, "replays", False):
+        return NO_EFFECTS
+    if getattr(base, "effects_root", None) is not None or modes_hold(seen.modes):
+        return seen  # a keeping function keeps the effects it was made for
+    with base.lock:
+        by_modes = base.__dict__.setdefault("effects_by_modes", {})
+        key = tuple(module.training for module, _ in seen.modes)
+        found = by_modes.get(key)
+        if found is None:
+            found = by_modes[key] = base.find_effects()
+    return found
+
+
+def _generator(inputs: Sequence[torch.Tensor]) -> torch.Generator:
+    """The default generator of the call's device (the first input's)."""
+    device = inputs[0].device if inputs else torch.device("cpu")
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else 0]
+    return torch.default_generator
+
+
+def _token_aval(seen: Effects) -> Aval:
+    """The token's: the generator state (if the function draws), then the bytes of every slot written."""
+    return Aval(((STATE_BYTES if seen.draws_random else 0) + sum(seen.writes.slot_bytes()),), np.dtype(np.uint8))
+
+
+def _variant(base: BaseFn, fn: Callable[..., Any], seen: Effects, *, in_avals, out_avals, out_names,  # noqa: ANN001
+             torch_out_dtypes, put_back: WritesPutBack | None) -> BaseFn:
+    variant = BaseFn(
+        fn,
+        name=base.name,
+        vmap_method=base.vmap_method,
+        in_avals=in_avals,
+        out_avals=out_avals,
+        out_names=out_names,
+        torch_out_dtypes=torch_out_dtypes,
+        mutation_checked=base.mutation_checked,
+        inferred_on=base.inferred_on,
+        autograd_vjp=base.autograd_vjp,
+        # A graph would keep the generator state it read while tracing.
+        compile="eager" if seen.draws_random else base.compile,
+    )
+    variant.effects_root = base  # type: ignore[attr-defined]
+    variant.effects = seen
+    variant.find_effects = base.find_effects
+
+    @contextlib.contextmanager
+    def call_effects() -> Iterator[None]:
+        with _effects_lock:
+            if put_back is None:
+                yield
+            else:
+                with put_back.around():
+                    yield
+
+    variant.call_effects = call_effects
+    return variant
+
+
+def keeping_and_replaying(base: BaseFn, seen: Effects) -> tuple[BaseFn, BaseFn]:
+    """The ``keeping`` and ``replaying`` functions of ``base``'s root
+    function for the effects ``seen`` (NOTE [derivatives replay the value's
+    draws]); made once for each."""
+    root = getattr(base, "effects_root", base)
+    with root.lock:
+        made = root.__dict__.setdefault("replayed_calls", {})
+        pair = made.get(id(seen))
+        if pair is None:
+            pair = made[id(seen)] = (_keeping(root, seen), _replaying(root, seen), seen)
+    return pair[0], pair[1]
+
+
+def variants(base: BaseFn) -> list[BaseFn]:
+    """The keeping and replaying functions made of ``base`` so far."""
+    return [variant for *pair, _ in list(base.__dict__.get("replayed_calls", {}).values()) for variant in pair]
+
+
+def _keeping(base: BaseFn, seen: Effects) -> BaseFn:
+    fn = base.fn
+    writes = seen.writes
+    sizes = writes.slot_bytes()
+
+    def keeping(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        device = inputs[0].device if inputs else torch.device("cpu")
+        pieces: list[torch.Tensor | None] = [None] * len(sizes)
+        if seen.draws_random:
+            with outside_transforms():  # bytes, whatever transforms this call runs under
+                state = _generator(inputs).get_state()
+                kept = torch.zeros(STATE_BYTES, dtype=torch.uint8)
+                kept[: state.numel()] = state
+            pieces.insert(0, kept)
+
+        def found(slot: int, tensor: torch.Tensor) -> None:  # its value before the function writes it
+            at = slot + seen.draws_random
+            if pieces[at] is None:
+                pieces[at] = pack(tensor)
+
+        with slots_found(writes, found):
+            outputs = fn(*inputs)
+        with outside_transforms():
+            if seen.draws_random:
+                pieces[0] = pieces[0].to(device)
+            for slot, size in enumerate(sizes):  # a slot whose module did not run: never replayed
+                at = slot + seen.draws_random
+                piece = pieces[at]
+                pieces[at] = torch.zeros(size, dtype=torch.uint8, device=device) if piece is None else piece.to(device)
+            token = torch.cat(pieces)
+        return (*outputs, token)
+
+    return _variant(
+        base,
+        keeping,
+        seen,
+        in_avals=base.in_avals,
+        out_avals=base.out_avals + (_token_aval(seen),),
+        out_names=base.out_names + ("the state it started from",),
+        torch_out_dtypes=base.torch_out_dtypes + (torch.uint8,),
+        put_back=None,
+    )
+
+
+def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
+    fn = base.fn
+    writes = seen.writes
+    put_back = WritesPutBack(writes) if writes else None
+    starts = [STATE_BYTES if seen.draws_random else 0]
+    for size in writes.slot_bytes():
+        starts.append(starts[-1] + size)
+
+    def replaying(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        *args, token = inputs
+        plain = unbatched_value(token)
+        if plain is None:
+            # One token per example: torch.vmap would batch it (random ops
+            # and running statistics refuse torch.vmap anyway), so
+            # vmap_method="auto" loops.
+            raise RuntimeError(
+                f"{base.name} draws random numbers or updates state it keeps, which torch.vmap cannot "
+                f"replay per example; vmap_method='sequential' runs one example at a time"
+            )
+        done: set[int] = set()
+
+        def found(slot: int, tensor: torch.Tensor) -> None:  # set it to the value call's start
+            if slot not in done:
+                done.add(slot)
+                put_back.save(tensor)
+                unpack_into(tensor, plain[starts[slot] : starts[slot + 1]])
+
+        with slots_found(writes, found):
+            if not seen.draws_random:
+                return fn(*args)
+            generator = _generator(args)
+            now = generator.get_state()
+            with outside_transforms():  # a slice and a copy: plain tensors inside transforms too
+                # A fresh copy: set_state reads a tensor with a storage offset
+                # (one example's row of a batch) from the wrong place, or crashes.
+                generator.set_state(plain[: now.numel()].to("cpu", copy=True))
+            try:
+                return fn(*args)
+            finally:
+                generator.set_state(now)
+
+    made = _variant(
+        base,
+        replaying,
+        seen,
+        in_avals=base.in_avals + (_token_aval(seen),),
+        out_avals=base.out_avals,
+        out_names=base.out_names,
+        torch_out_dtypes=base.torch_out_dtypes,
+        put_back=put_back,
+    )
+    made.replays = True  # type: ignore[attr-defined]
+    return made

@@ -1,0 +1,178 @@
+"""Derivatives do not write again into the state a function keeps: NOTE
+[derivatives do not write again] in state_writes.py.
+
+A module in training mode updates its running statistics once per step in
+PyTorch (``loss.backward()`` runs no second forward). Every test holds the
+values, the gradients and the state after the step against a twin module
+stepped by PyTorch's own autograd (``torch.func`` refuses a write into a
+captured tensor), or against pure JAX.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
+
+import t2j_ad
+from t2j_ad.rules.fallbacks import FallbackWarning
+
+_X = jnp.asarray(np.random.default_rng(0).normal(size=(6, 3)) * 2.0 + 1.0, jnp.float32)
+
+
+def _normalized() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Tanh()).to(TORCH_DEVICE)
+
+
+def _stepped_by_autograd(  # noqa: ANN001 - loss: torch tensors in, a scalar out
+    module: torch.nn.Module, x: jax.Array, loss
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The loss and parameter gradients of one training step of ``module``."""
+    module.zero_grad()
+    value = loss(module(to_torch(x)))
+    value.backward()
+    return to_numpy(value.detach()), {name: to_numpy(p.grad) for name, p in module.named_parameters()}
+
+
+def _state(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {name: to_numpy(b) for name, b in module.named_buffers()}
+
+
+def _square(out):  # noqa: ANN001, ANN202 - torch tensors and JAX arrays alike
+    return (out**2).sum()
+
+
+def _weighted(out):  # noqa: ANN001, ANN202 - linear in the outputs: jit needs no value call
+    return (out * (jnp.arange(4.0) if isinstance(out, jax.Array) else torch.arange(4.0, device=out.device))).sum()
+
+
+STEPS = {
+    "value_and_grad": (lambda apply: jax.value_and_grad(lambda p, x: _square(apply(p, x))), _square),
+    "jit_value_and_grad": (lambda apply: jax.jit(jax.value_and_grad(lambda p, x: _square(apply(p, x)))), _square),
+    "jit_grad_linear": (lambda apply: jax.jit(jax.grad(lambda p, x: _weighted(apply(p, x)))), _weighted),
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("step", list(STEPS))
+def test_a_training_step_updates_batch_norm_statistics_once(step, mode):
+    module = _normalized().train()
+    twin = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
+    transform, torch_loss = STEPS[step]
+    f = transform(apply)
+    with warnings.catch_warnings():
+        # torch.func refuses the write into the captured statistics, so
+        # reverse mode takes torch.autograd.grad, announced once.
+        warnings.simplefilter("ignore", FallbackWarning)
+        for _ in range(3):  # the first call traces in graph mode; later ones replay
+            got = jax.block_until_ready(f(params, _X))
+            value, grads = _stepped_by_autograd(twin, _X, torch_loss)
+            expected = grads if step == "jit_grad_linear" else (value, grads)
+            assert_tree_allclose(got, expected, rtol=1e-5, atol=1e-5)
+            assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
+    assert int(module[1].num_batches_tracked) == 3
+
+
+def test_a_counter_the_function_closes_over_counts_each_step_once():
+    # Not a module: a tensor the function closes over and writes, found by
+    # inference as one that no op of its run made.
+    count = torch.zeros((), device=TORCH_DEVICE)
+
+    def counted(x):
+        count.add_(1.0)
+        return torch.sin(x) * x
+
+    jf = t2j_ad.jaxify(counted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        value, grad = jax.value_and_grad(lambda x: jf(x).sum())(_X)
+        assert float(count) == 1.0
+        hessian = jax.hessian(lambda x: jf(x).sum())(_X[0])
+        assert float(count) == 2.0  # eager jax.hessian makes one value call too
+    assert_tree_allclose((value, grad), (jnp.sum(jnp.sin(_X) * _X), jnp.cos(_X) * _X + jnp.sin(_X)), rtol=1e-5)
+    x = _X[0]
+    assert_tree_allclose(hessian, jnp.diag(2 * jnp.cos(x) - x * jnp.sin(x)), rtol=1e-5, atol=1e-6)
+
+
+def test_a_temporary_written_in_place_is_not_state():
+    # In-place ops on tensors the function made (an in-place ReLU, a
+    # buffer it allocates) are no state: its derivatives keep the plain rules.
+    def temporaries(x):
+        y = torch.relu_(x * 2.0)
+        scratch = torch.zeros(x.shape, device=x.device)
+        scratch.add_(y).mul_(torch.tensor(3.0, device=x.device))
+        return scratch
+
+    jf = t2j_ad.jaxify(temporaries)
+    got = jax.grad(lambda x: jf(x).sum())(_X)
+    entry = jf._cache[next(iter(jf._cache))]
+    assert not entry.base.effects, entry.base.effects
+    assert_tree_allclose(got, jnp.where(_X > 0, 6.0, 0.0))
+
+
+def test_spectral_norm_is_differentiated_at_the_estimate_its_value_used():
+    # spectral_norm's power iteration advances u and v in place in training
+    # mode; a derivative call advanced it again, and differentiated the
+    # weight divided by the next estimate.
+    torch.manual_seed(0)
+    module = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(3, 4)).to(TORCH_DEVICE).train()
+    norm = module.parametrizations.weight[0]
+    with torch.no_grad():  # far from the converged estimate the constructor leaves, so each step moves it
+        norm._u.copy_(torch.nn.functional.normalize(torch.tensor([1.0, -2.0, 0.5, 3.0]), dim=0))
+        norm._v.copy_(torch.nn.functional.normalize(torch.tensor([2.0, 1.0, -1.0]), dim=0))
+    twin = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module)
+    step = jax.jit(jax.value_and_grad(lambda p, x: _square(apply(p, x))))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        for _ in range(2):
+            got = jax.block_until_ready(step(params, _X))
+            assert_tree_allclose(got, _stepped_by_autograd(twin, _X, _square), rtol=1e-5, atol=1e-5)
+            assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
+
+
+def test_a_module_inferred_in_eval_mode_updates_once_in_training_mode():
+    # Inference in eval mode saw no writes; the JVP rule finds the flags
+    # changed and runs another trial run.
+    module = _normalized().eval()
+    twin = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module)
+    jax.block_until_ready(apply(params, _X))
+    module.train()
+    twin.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        got = jax.block_until_ready(jax.value_and_grad(lambda p, x: _square(apply(p, x)))(params, _X))
+    assert_tree_allclose(got, _stepped_by_autograd(twin, _X, _square), rtol=1e-5, atol=1e-5)
+    assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
+
+
+def test_forward_mode_of_a_training_module_writes_once():
+    # torch.func.jvp refuses the captured write as well: forward mode takes
+    # the double-vjp trick on torch.autograd.grad, and its extra forward puts
+    # back what it wrote too.
+    module = _normalized().train()
+    twin = copy.deepcopy(module).train()
+    apply, params = t2j_ad.jaxify_module(module)
+    tangent = jnp.cos(_X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        value, out_tangent = jax.jvp(lambda x: apply(params, x), (_X,), (tangent,))
+    torch_params = {k: to_torch(v) for k, v in params.items()}
+    x = to_torch(_X).requires_grad_(True)
+    out = torch.func.functional_call(twin, torch_params, (x,))  # updates the twin's statistics once
+    # J t by the double-vjp trick in plain autograd
+    seed = torch.zeros_like(out, requires_grad=True)
+    (pulled,) = torch.autograd.grad(out, x, seed, create_graph=True)
+    (expected_tangent,) = torch.autograd.grad(pulled, seed, to_torch(tangent))
+    expected = (to_numpy(out.detach()), to_numpy(expected_tangent))
+    assert_tree_allclose((value, out_tangent), expected, rtol=1e-5, atol=1e-5)
+    assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
