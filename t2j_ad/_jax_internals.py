@@ -54,6 +54,10 @@ from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, 
 from jax._src import core as _core
 from jax._src.mesh import get_abstract_mesh
 
+# How jax.checkpoint (remat) splits an equation between the forward pass and
+# the backward pass that recomputes it: a rule per primitive.
+from jax._src.interpreters import partial_eval as _pe
+
 float0 = jax.dtypes.float0
 
 __all__ = [
@@ -136,6 +140,28 @@ def _tangent_or_none(tangent: Any) -> Any:
 
 def _zero_like_output(aval: ShapedArray) -> ad.Zero:
     return ad.Zero(aval.to_tangent_aval())
+
+
+def register_remat_rule(prim: Primitive, never_recomputed: Callable[[dict[str, Any]], bool]) -> None:
+    """Split ``prim`` under ``jax.checkpoint`` as JAX splits any primitive
+    (run again in the backward pass unless the checkpoint policy saves its
+    outputs), except a call whose parameters ``never_recomputed`` accepts:
+    its outputs are always saved, and it runs once."""
+
+    def rule(saveable: Callable[..., Any], unks_in: Sequence[bool], inst_in: Sequence[bool], eqn: Any) -> Any:
+        n = len(eqn.outvars)
+        # Known inputs the backward pass reads: residuals of the forward pass.
+        read_later = [v for v, inst in zip(eqn.invars, inst_in) if type(v) is _core.Var and not inst]
+        if any(unks_in):  # a tangent call: only in the backward pass
+            return None, eqn, [True] * n, [True] * n, read_later
+        if never_recomputed(eqn.params):
+            return eqn, None, [False] * n, [False] * n, []
+        policy = _pe.ensure_enum(saveable(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params))
+        if isinstance(policy, _pe.SaveableType):
+            return eqn, None, [False] * n, [False] * n, []
+        return eqn, eqn, [False] * n, [True] * n, read_later  # recomputed (so is an offloading policy's)
+
+    _pe.partial_eval_jaxpr_custom_rules[prim] = rule
 
 
 def register_rules(

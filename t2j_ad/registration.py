@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import backends
-from ._jax_internals import register_rules, require_devices_during_lowering
+from ._jax_internals import register_remat_rule, register_rules, require_devices_during_lowering
 from .primitive import torch_call_abstract_eval, torch_call_p
+from .replayed_calls import is_value_call
 from .rules.batching import torch_call_batch
 from .rules.jet import torch_call_jet
 from .rules.jvp import torch_call_jvp
@@ -37,3 +38,5 @@ register_rules(
     lowering=partitionable(torch_call_lowering),  # NOTE [partitioning torch_call]
 )
 require_devices_during_lowering(torch_call_p)  # the partitioned lowering reads the mesh
+# NOTE [a value call runs once]: jax.checkpoint never runs one again.
+register_remat_rule(torch_call_p, never_recomputed=lambda params: is_value_call(params["fun"].base))

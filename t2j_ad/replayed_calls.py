@@ -50,6 +50,16 @@ kind hold one process-wide lock: a replaying call sets the generator every
 thread draws from, and puts back tensors another thread's value call would
 write meanwhile (a pmap over CPU devices).
 
+NOTE [a value call runs once]
+``jax.checkpoint`` (remat) runs the forward pass again in the backward pass
+instead of saving its results. Run again, a value call drew new numbers and
+wrote the state again, and its new token made the derivatives replay the
+second draw: the gradient of another mask than the value's, and batch norm
+updated twice. So a ``keeping`` call is never run again under
+``jax.checkpoint``, whatever its policy: its outputs and token are saved,
+as for a policy that saves them (``_jax_internals.register_remat_rule``).
+The replaying calls are deterministic, and follow the policy.
+
 What a function does depends on the training flags of the modules it runs
 (dropout draws only in training mode), so the effects are found again, by
 another trial run, when the JVP rule meets flags other than inference saw.
@@ -129,8 +139,19 @@ def _token_aval(seen: Effects) -> Aval:
     return Aval(((STATE_BYTES if seen.draws_random else 0) + sum(seen.writes.slot_bytes()),), np.dtype(np.uint8))
 
 
-def _variant(base: BaseFn, fn: Callable[..., Any], seen: Effects, *, in_avals, out_avals, out_names,  # noqa: ANN001
-             torch_out_dtypes, put_back: WritesPutBack | None) -> BaseFn:
+def _variant(
+    base: BaseFn,
+    fn: Callable[..., Any],
+    seen: Effects,
+    *,
+    in_avals: tuple[Aval, ...],
+    out_avals: tuple[Aval, ...],
+    out_names: tuple[str, ...],
+    torch_out_dtypes: tuple[Any, ...],
+    put_back: WritesPutBack | None,
+) -> BaseFn:
+    """A function of ``base``'s root with the effects ``seen``; its calls hold
+    the lock and, with ``put_back``, put back what they wrote."""
     variant = BaseFn(
         fn,
         name=base.name,
@@ -173,6 +194,13 @@ def keeping_and_replaying(base: BaseFn, seen: Effects) -> tuple[BaseFn, BaseFn]:
         if pair is None:
             pair = made[id(seen)] = (_keeping(root, seen), _replaying(root, seen), seen)
     return pair[0], pair[1]
+
+
+def is_value_call(base: BaseFn) -> bool:
+    """Whether ``base`` is a ``keeping`` function: a value call that makes
+    the draws and writes its derivatives replay (NOTE [a value call runs
+    once])."""
+    return getattr(base, "effects_root", None) is not None and not getattr(base, "replays", False)
 
 
 def variants(base: BaseFn) -> list[BaseFn]:

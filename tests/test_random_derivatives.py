@@ -160,6 +160,41 @@ def test_a_module_inferred_in_eval_mode_replays_its_draws_once_in_training_mode(
     assert torch.equal(after, expected_after)
 
 
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_under_jax_checkpoint_the_gradient_is_that_of_the_values_mask(use_jit):
+    # jax.checkpoint runs the forward pass again in the backward pass: the
+    # value call drew a second mask there, and the derivative replayed that
+    # one (NOTE [a value call runs once]).
+    jf = t2j_ad.jaxify(_dropout)
+    step = jax.value_and_grad(jax.checkpoint(_square_loss(jf)))
+    step = jax.jit(step) if use_jit else step
+    jax.block_until_ready(step(_X))
+    got, after = _seeded_run(lambda: step(_X))
+    expected, expected_after = _seeded_run(lambda: torch.func.grad_and_value(_square_loss(_dropout))(to_torch(_X))[::-1])
+    assert_tree_allclose(got, jax.tree_util.tree_map(to_numpy, expected))
+    assert torch.equal(after, expected_after)
+
+
+@pytest.mark.parametrize(
+    ("policy", "value_calls"),
+    [(jax.checkpoint_policies.nothing_saveable, 2), (jax.checkpoint_policies.everything_saveable, 1)],
+)
+def test_jax_checkpoint_still_recomputes_a_function_without_effects_as_its_policy_says(policy, value_calls):
+    runs = []
+
+    def counted(x):
+        runs.append("call")
+        return torch.sin(x) * x
+
+    jf = t2j_ad.jaxify(counted)
+    jax.block_until_ready(jf(_X))  # inference and a first call
+    runs.clear()
+    grad = jax.grad(jax.checkpoint(lambda x: (jf(x) ** 2).sum(), policy=policy))(_X)
+    # the value calls, and one vjp call that runs the function once more
+    assert len(runs) == value_calls + 1, runs
+    assert_tree_allclose(grad, jax.grad(lambda x: ((jnp.sin(x) * x) ** 2).sum())(_X), rtol=1e-5)
+
+
 def test_declared_output_shapes_keep_the_function_from_running_to_learn_whether_it_draws():
     # torch2jax promises that a function given output_shapes is never run to
     # learn anything; it is then not known to draw, and its derivative draws

@@ -176,3 +176,18 @@ def test_forward_mode_of_a_training_module_writes_once():
     expected = (to_numpy(out.detach()), to_numpy(expected_tangent))
     assert_tree_allclose((value, out_tangent), expected, rtol=1e-5, atol=1e-5)
     assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
+
+
+def test_under_jax_checkpoint_a_step_updates_once():
+    # jax.checkpoint runs the forward pass again in the backward pass; the
+    # value call is never run again (NOTE [a value call runs once]).
+    module = _normalized().train()
+    twin = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module)
+    step = jax.jit(jax.value_and_grad(jax.checkpoint(lambda p, x: _square(apply(p, x)))))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        for _ in range(2):
+            got = jax.block_until_ready(step(params, _X))
+            assert_tree_allclose(got, _stepped_by_autograd(twin, _X, _square), rtol=1e-5, atol=1e-5)
+            assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
