@@ -3,17 +3,16 @@
 A small convolutional network (two 3x3 convolutions, each followed by
 ``BatchNorm2d`` and ReLU, global average pooling, a linear head), batch 32 of
 3x16x16 images, cross-entropy loss. Batch norm updates its running statistics
-in place, so each step is a value call that makes the writes and a
-derivative call that starts from the state the value call started from and
-puts back what it wrote (NOTE [derivatives do not write again]), with
-reverse mode by ``torch.autograd.grad`` (``torch.func`` refuses the write).
+in place, so each step is a value call that makes the updates and a
+derivative call that runs its forward on tensors of its own holding the
+state the value call started from (NOTE [derivatives do not write again]).
 Contenders, timed in one run:
 
 - ``PyTorch``: ``loss(module(x)).backward()``, the step a PyTorch user runs;
 - ``t2j_ad``: ``jax.jit(jax.value_and_grad(loss))`` of ``jaxify_module``'s apply;
 - ``t2j_ad graph``: the same with ``compile="graph"``;
-- ``t2j_ad eval mode``: the first in eval mode, which writes nothing (plain
-  value and vjp calls through ``torch.func``): what the replay costs.
+- ``t2j_ad eval mode``: the first in eval mode, which updates nothing
+  (plain value and vjp calls): what the replay costs.
 
 Every contender's loss and gradients are checked against PyTorch's first,
 and the state after one step of each against a twin's.

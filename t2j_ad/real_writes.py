@@ -36,7 +36,11 @@ raised: inside whatever swapped tensors in around the call
 rebinding, which is Python, so a trace that made one is refused
 (``trace_refusals.refuse_rebound_attributes``). A binding the function makes
 before any module it reaches runs (a plain function assigning
-``model.ema = ...``) is Python state of its own, read once per trace.
+``model.ema = ...``) is Python state of its own, read once per trace. Each
+rebinding is also state the function keeps (``rebound_state``), which its
+derivatives must not update again; and a binding a derivative call makes
+for the forward it replays is that call's to undo, and left alone here
+(NOTE [derivatives do not write again] in state_writes.py).
 """
 
 from __future__ import annotations
@@ -50,19 +54,28 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # private: see the NOTE
 
 from .random_state import random_state_kept
-from .state_writes import StateWrites
+from .state_writes import StateWrites, bound_by_a_replay
 
 
 _aten = torch.ops.aten
 # Ops that write arguments their schema does not mark as written: batch
-# norm's kernels update the running mean and variance (arguments 3 and 4) in
-# training mode. BatchNorm(momentum=None)'s run on zeros averaged a batch of
-# zeros into them for good.
+# norm's kernels update the running mean and variance (arguments 3 and 4)
+# when their argument 5, ``training``, is true. BatchNorm(momentum=None)'s run
+# on zeros averaged a batch of zeros into them for good.
 _UNDECLARED_WRITES = {
     _aten.native_batch_norm.default: (3, 4),
     _aten.cudnn_batch_norm.default: (3, 4),
     _aten.miopen_batch_norm.default: (3, 4),
 }
+_TRAINING_ARGUMENT = 5
+
+
+def _undeclared_writes(func, args: tuple[Any, ...]) -> tuple[int, ...]:  # noqa: ANN001
+    """The arguments ``func`` writes without its schema saying so."""
+    written = _UNDECLARED_WRITES.get(func, ())
+    if written and not (len(args) > _TRAINING_ARGUMENT and args[_TRAINING_ARGUMENT]):
+        return ()  # evaluation: the running statistics are read, not written
+    return written
 # Ops whose schema says their result aliases the argument, but which hand a
 # tensor made from Python data to the dispatcher (``torch.tensor([...])``):
 # a tensor the call made, not one it keeps.
@@ -89,7 +102,7 @@ class RealWritesUndone(TorchDispatchMode):
         kwargs = kwargs or {}
         schema = func._schema.arguments
         marked = [i for i, argument in enumerate(schema) if argument.alias_info and argument.alias_info.is_write]
-        for i in (*marked, *_UNDECLARED_WRITES.get(func, ())):
+        for i in (*marked, *_undeclared_writes(func, args)):
             written = args[i] if i < len(args) else kwargs.get(schema[i].name)
             if not isinstance(written, torch.Tensor):
                 continue
@@ -125,10 +138,14 @@ class RealWritesUndone(TorchDispatchMode):
         ):
             self._closed_over.setdefault(id(whole), whole)
 
-    def state_written(self) -> StateWrites:
-        """The tensors kept between calls that the block wrote in place."""
+    def state_written(self, rebound: list[tuple[torch.nn.Module, str, torch.Tensor]] = ()) -> StateWrites:
+        """The tensors kept between calls that the block wrote in place, and
+        the ``rebound`` names of modules (module, name, the tensor before)."""
         closed_over = tuple(self._closed_over.values())
-        in_modules = tuple(self._in_modules.values())
+        in_modules = dict(self._in_modules)
+        for module, name, old in rebound:
+            in_modules.setdefault((id(module), name), (module, name, old.shape, old.dtype))
+        in_modules = tuple(in_modules.values())
         layouts = tuple((t.shape, t.dtype) for t in closed_over)
         layouts += tuple((shape, dtype) for *_, shape, dtype in in_modules)
         return StateWrites(closed_over, tuple((module, name) for module, name, *_ in in_modules), layouts)
@@ -160,6 +177,9 @@ class ModuleAttributesKept:
 
     def __init__(self) -> None:
         self.rebound: list[str] = []
+        # Each rebinding as (module, name, the tensor bound before): state
+        # the function keeps (NOTE [derivatives do not write again]).
+        self.rebound_state: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
         self._thread = threading.get_ident()
         # One frame per forward running, outermost first: the module, the
         # modules it was first to note (itself and those under it), and the
@@ -198,12 +218,17 @@ class ModuleAttributesKept:
             for table, saved in zip(_attribute_tables(module), before):
                 for name in [*saved, *(n for n in table if n not in saved)]:
                     old, new = saved.get(name, _ABSENT), table.get(name, _ABSENT)
-                    if old is not new and (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):
-                        if old is _ABSENT:
-                            del table[name]
-                        else:
-                            table[name] = old
-                        self.rebound.append(f"{type(module).__name__}.{name}")
+                    if old is new or not (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):
+                        continue
+                    if bound_by_a_replay(module, name):
+                        continue  # the replay binds it back itself (NOTE [derivatives do not write again])
+                    if old is _ABSENT:
+                        del table[name]
+                    else:
+                        table[name] = old
+                    self.rebound.append(f"{type(module).__name__}.{name}")
+                    if isinstance(old, torch.Tensor):
+                        self.rebound_state.append((module, name, old))
 
     def owner_of(self, tensor: torch.Tensor) -> tuple[torch.nn.Module, str] | None:
         """The module (of those noted now) and name ``tensor`` is bound to, if any."""
@@ -241,9 +266,10 @@ class TrialRun:
         return self._attributes.rebound
 
     def state_written(self) -> StateWrites:
-        """The tensors kept between calls that the run wrote in place (NOTE
+        """The state the run updated: tensors kept between calls written in
+        place, and tensors a ``forward`` bound in place of a module's (NOTE
         [derivatives do not write again] in state_writes.py)."""
-        return self._writes.state_written()
+        return self._writes.state_written(self._attributes.rebound_state)
 
 
 # NOTE [one trial run at a time]

@@ -78,7 +78,17 @@ import torch
 
 from .functorch_levels import outside_transforms, unbatched_value
 from .module_modes import ModuleModes, modes_hold
-from .state_writes import NO_WRITES, StateWrites, WritesPutBack, pack, slots_found, unpack_into
+from .state_writes import (
+    NO_WRITES,
+    ReplayedBindings,
+    StateWrites,
+    WritesPutBack,
+    bound,
+    module_slots_entered,
+    pack,
+    unpack,
+    unpack_into,
+)
 from .torch_fn import Aval, BaseFn
 
 # The CPU generator's state (mt19937), the largest a generator has.
@@ -100,6 +110,12 @@ class Effects:
 
     def __bool__(self) -> bool:
         return self.draws_random or bool(self.writes)
+
+    def same_as(self, other: Effects) -> bool:
+        """Whether ``other`` draws and updates as this does (the same slots)."""
+        return self is other or (
+            self.draws_random == other.draws_random and self.writes.same_slots(other.writes)
+        )
 
 
 NO_EFFECTS = Effects(False, NO_WRITES, ())
@@ -155,7 +171,9 @@ def _variant(
     variant = BaseFn(
         fn,
         name=base.name,
-        vmap_method=base.vmap_method,
+        # A loop over examples updates kept state once per example (NOTE
+        # [derivatives do not write again]); torch.vmap cannot replay a token per example.
+        vmap_method="sequential" if seen.writes else base.vmap_method,
         in_avals=in_avals,
         out_avals=out_avals,
         out_names=out_names,
@@ -196,6 +214,18 @@ def keeping_and_replaying(base: BaseFn, seen: Effects) -> tuple[BaseFn, BaseFn]:
     return pair[0], pair[1]
 
 
+def traced_for(base: BaseFn) -> Effects:
+    """The effects the rules that bound a call of ``base`` saw: those a
+    ``keeping`` or ``replaying`` function was made for, none for the
+    function itself (its derivatives take the plain rules only then)."""
+    return base.effects if getattr(base, "effects_root", None) is not None else NO_EFFECTS
+
+
+def effects_now(base: BaseFn) -> Effects:
+    """The effects of ``base``'s function with the training flags as they are now."""
+    return effects(getattr(base, "effects_root", base))
+
+
 def is_value_call(base: BaseFn) -> bool:
     """Whether ``base`` is a ``keeping`` function: a value call that makes
     the draws and writes its derivatives replay (NOTE [a value call runs
@@ -212,30 +242,30 @@ def _keeping(base: BaseFn, seen: Effects) -> BaseFn:
     fn = base.fn
     writes = seen.writes
     sizes = writes.slot_bytes()
+    first = int(seen.draws_random)  # the generator state comes first in the token
 
     def keeping(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         device = inputs[0].device if inputs else torch.device("cpu")
-        pieces: list[torch.Tensor | None] = [None] * len(sizes)
+        pieces: list[torch.Tensor | None] = [None] * (first + len(sizes))
         if seen.draws_random:
             with outside_transforms():  # bytes, whatever transforms this call runs under
                 state = _generator(inputs).get_state()
-                kept = torch.zeros(STATE_BYTES, dtype=torch.uint8)
-                kept[: state.numel()] = state
-            pieces.insert(0, kept)
+                pieces[0] = torch.zeros(STATE_BYTES, dtype=torch.uint8)
+                pieces[0][: state.numel()] = state
+        for slot, tensor in enumerate(writes.closed_over):
+            pieces[first + slot] = pack(tensor)
 
-        def found(slot: int, tensor: torch.Tensor) -> None:  # its value before the function writes it
-            at = slot + seen.draws_random
-            if pieces[at] is None:
-                pieces[at] = pack(tensor)
+        def starts(slot: int, module: torch.nn.Module, name: str) -> None:  # before anything under it updates it
+            found = bound(module, name)
+            if pieces[first + slot] is None and isinstance(found, torch.Tensor):
+                if (found.shape, found.dtype) == writes.layouts[slot]:
+                    pieces[first + slot] = pack(found)
 
-        with slots_found(writes, found):
+        with module_slots_entered(writes, starts):
             outputs = fn(*inputs)
         with outside_transforms():
-            if seen.draws_random:
-                pieces[0] = pieces[0].to(device)
-            for slot, size in enumerate(sizes):  # a slot whose module did not run: never replayed
-                at = slot + seen.draws_random
-                piece = pieces[at]
+            for at, size in enumerate([STATE_BYTES] * first + sizes):
+                piece = pieces[at]  # None: a slot whose module did not run (never replayed)
                 pieces[at] = torch.zeros(size, dtype=torch.uint8, device=device) if piece is None else piece.to(device)
             token = torch.cat(pieces)
         return (*outputs, token)
@@ -255,31 +285,29 @@ def _keeping(base: BaseFn, seen: Effects) -> BaseFn:
 def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
     fn = base.fn
     writes = seen.writes
-    put_back = WritesPutBack(writes) if writes else None
-    starts = [STATE_BYTES if seen.draws_random else 0]
+    offsets = [STATE_BYTES if seen.draws_random else 0]
     for size in writes.slot_bytes():
-        starts.append(starts[-1] + size)
+        offsets.append(offsets[-1] + size)
 
     def replaying(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         *args, token = inputs
         plain = unbatched_value(token)
         if plain is None:
-            # One token per example: torch.vmap would batch it (random ops
-            # and running statistics refuse torch.vmap anyway), so
-            # vmap_method="auto" loops.
+            # One token per example: torch.vmap would batch it, so the
+            # function runs in the loop over examples (NOTE [derivatives
+            # replay the value's draws]).
             raise RuntimeError(
                 f"{base.name} draws random numbers or updates state it keeps, which torch.vmap cannot "
                 f"replay per example; vmap_method='sequential' runs one example at a time"
             )
-        done: set[int] = set()
 
-        def found(slot: int, tensor: torch.Tensor) -> None:  # set it to the value call's start
-            if slot not in done:
-                done.add(slot)
-                put_back.save(tensor)
-                unpack_into(tensor, plain[starts[slot] : starts[slot + 1]])
+        def value_of(slot: int) -> torch.Tensor:
+            return unpack(plain[offsets[slot] : offsets[slot + 1]], writes.layouts[slot])
 
-        with slots_found(writes, found):
+        for slot, tensor in enumerate(writes.closed_over):
+            unpack_into(tensor, plain[offsets[slot] : offsets[slot + 1]])
+        bindings = ReplayedBindings(writes, value_of)
+        with module_slots_entered(writes, bindings.starts, bindings.ends):
             if not seen.draws_random:
                 return fn(*args)
             generator = _generator(args)
@@ -301,7 +329,7 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
         out_avals=base.out_avals,
         out_names=base.out_names,
         torch_out_dtypes=base.torch_out_dtypes,
-        put_back=put_back,
+        put_back=WritesPutBack(writes) if writes.closed_over else None,
     )
     made.replays = True  # type: ignore[attr-defined]
     return made

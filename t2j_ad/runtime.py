@@ -21,7 +21,8 @@ from .convert import jax_dtype, torch_dtype
 from .cuda_streams import external_stream, run_on_stream
 from .malloc_tuning import tune_malloc
 from .module_modes import ModuleModes, modes_hold
-from .torch_fn import Jvp, TorchFn
+from .replayed_calls import effects_now, traced_for
+from .torch_fn import Jvp, TorchFn, Vmap
 from .transforms import build
 
 
@@ -481,13 +482,39 @@ class _Runner:
 
 
 class _RunnerWithEffects(_Runner):
-    """The runner of a function whose calls hold a lock and put back what
-    they write (``BaseFn.call_effects``: NOTE [derivatives replay the
-    value's draws] in replayed_calls.py), around the whole call."""
+    """The runner of a call whose function ran modules and that replays, or
+    that a JVP rule bound knowing it neither draws nor updates state (NOTE
+    [derivatives replay the value's draws] in replayed_calls.py). Under
+    ``jax.jit`` such a call runs again after ``module.train()`` or
+    ``.eval()``, with which the function may draw or update other than
+    the rules saw: a derivative would then draw or write a second time, so
+    the call is refused. A replayed call holds the lock and puts back what
+    it writes (``BaseFn.call_effects``), around the whole call."""
 
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
-        with self.base.call_effects():
+        if not effects_now(self.base).same_as(traced_for(self.base)):
+            raise TorchCallError(
+                f"{self.name}: the modules it runs changed training mode (module.train() or .eval()) since "
+                f"jax.jit traced it, and with that mode the function draws random numbers or updates state "
+                f"it keeps other than it did, which its derivatives would draw or update a second time. "
+                f"Trace again after changing the mode: call a new jax.jit of it, or jax.clear_caches()."
+            )
+        call_effects = self.base.call_effects
+        if call_effects is None:
             super().__call__(inputs, outputs, stream)
+            return
+        with call_effects():
+            super().__call__(inputs, outputs, stream)
+
+
+def _runner_class(fun: TorchFn) -> type[_Runner]:
+    base = fun.base
+    if base.call_effects is not None:
+        return _RunnerWithEffects
+    derivative = any(not isinstance(t, Vmap) for t in fun.transforms)
+    if derivative and base.effects is not None and base.effects.modes:
+        return _RunnerWithEffects
+    return _Runner
 
 
 def runner_for(fun: TorchFn) -> _Runner:
@@ -496,7 +523,7 @@ def runner_for(fun: TorchFn) -> _Runner:
     if runner is None:
         # Process-wide and applied once; see NOTE [heap trimming].
         tune_malloc()
-        runner = (_Runner if fun.base.call_effects is None else _RunnerWithEffects)(fun)
+        runner = _runner_class(fun)(fun)
         # TorchFn is frozen; the runner is a cache, not part of its value.
         object.__setattr__(fun, "_runner", runner)
     return runner

@@ -1,44 +1,60 @@
-"""The tensors a function keeps between calls and writes in place: finding
-them at a call, carrying their values from a value call to its derivatives,
-and putting back what a derivative call wrote.
+"""The tensors a function keeps between calls and updates: finding them at a
+call, carrying their values from a value call to its derivatives, and
+keeping a derivative call from updating them.
 
 NOTE [derivatives do not write again]
-A function may write in place into tensors it keeps between calls: a module
-in training mode updates its running statistics (``BatchNorm``,
-``InstanceNorm(track_running_stats=True)``) and counts its batches, and
+A function may update tensors it keeps between calls: a module in training
+mode updates its running statistics in place (``BatchNorm``,
+``InstanceNorm(track_running_stats=True)``) and counts its batches,
 ``spectral_norm`` advances its power iteration and divides the weight by the
-new estimate. A derivative is a PyTorch call of its own that runs the forward
-again (NOTE [every derivative is a PyTorch function]), so ``jax.grad`` and
-``jax.value_and_grad`` made each update twice, where PyTorch's
-``loss.backward()`` makes it once (batch norm counted two batches a step),
-and differentiated a forward that started from the state the value call
-left: ``spectral_norm``'s gradient was taken at the next estimate.
+new estimate, and a ``forward`` may bind a new tensor to an attribute
+(``self.mean = 0.9 * self.mean + ...``). A derivative is a PyTorch call of
+its own that runs the forward again (NOTE [every derivative is a PyTorch
+function]), so ``jax.grad`` and ``jax.value_and_grad`` made each update
+twice, where PyTorch's ``loss.backward()`` makes it once (batch norm counted
+two batches a step), and differentiated a forward that started from the
+state the value call left: ``spectral_norm``'s gradient was taken at the
+next estimate.
 
-So shape inference notes which such tensors the function wrote (its trial
-run sees every in-place write: ``RealWritesUndone`` in real_writes.py), the
+So shape inference notes the state the function updated (its trial run sees
+every in-place write, ``RealWritesUndone``, and every attribute a
+``forward`` rebound, ``ModuleAttributesKept``, in real_writes.py), the
 *slots* of a ``StateWrites``:
 
 - a tensor bound to a module whose ``forward`` ran (a parameter, buffer or
   attribute), as the module and the name, because the tensor bound there at
   a call may be another object than at inference (``functional_call`` swaps
-  tensors in, a module's buffers are copied to each device, and the run on
-  meta tensors wrote meta copies). At a call it is found when that module's
-  ``forward`` starts (``slots_found``), before the module writes it;
-- any other real tensor that no op of the run made (one the function closes
-  over), as itself.
+  tensors in, a module's buffers are copied to each device, the run on meta
+  tensors wrote meta copies, and a ``forward`` may bind a new one);
+- any other real tensor written in place that no op of the run made (one
+  the function closes over), as itself.
 
-The value call makes the writes, once, as PyTorch does, and returns the
-bytes of each slot's value from before it wrote (``pack``, in the token of
-NOTE [derivatives replay the value's draws] in replayed_calls.py). Every
-derivative call sets each slot to those bytes when it is found, so its
-forward is the value call's, and when it has finished (its backward
-included) puts back the value the slot had when it started, the one the
-value call left (``WritesPutBack``). Putting back at the end of the forward
-instead would bump the version of a tensor the backward may have saved, and
-autograd would refuse it. A graph-mode replay runs no ``forward`` to find a
-module's tensors in: its graph sets them (the trace recorded the copy into
-the constants it found) and ``WritesPutBack`` puts back the tensors earlier
-calls found.
+The value call makes the updates, once, as PyTorch does, and returns the
+bytes of each slot's value from before the update (``pack``, in the token of
+NOTE [derivatives replay the value's draws] in replayed_calls.py). A
+derivative call starts from those values and leaves the state as it found
+it:
+
+- A module's slot is found when the outermost module ``forward`` that holds
+  it starts (``module_slots_entered``), before any module under it reads or
+  writes it. The derivative call binds a new tensor holding the token's
+  value there, for that ``forward``, and binds back what it found when the
+  ``forward`` ends; the forward updates the new tensor, never the module's
+  own. No tensor autograd saved is ever written (a loop over examples in one
+  call, ``jax.grad`` of ``jax.vmap``, saves one per example), and a graph-mode
+  trace records the state as computed from the token, so its replays touch
+  no module state either. The trial run around a trace ignores those
+  bindings (``bound_by_a_replay``).
+- A closed-over slot is set in place to the token's value at the start of
+  the call, and ``WritesPutBack`` puts back, when the whole call has
+  finished (its backward included), the value it had before; putting back
+  at the end of the forward instead would bump the version of a tensor the
+  backward may have saved, and autograd would refuse it.
+
+What the trial run did not see is not a slot: a write that depends on the
+input's values (a branch the run on zeros did not take), or a function
+given ``output_shapes=``, which is never run to learn anything. Their
+derivatives write again, as before.
 """
 
 from __future__ import annotations
@@ -57,16 +73,25 @@ from .functorch_levels import outside_transforms
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StateWrites:
-    """What a function wrote in place, of the tensors it keeps between calls
-    (NOTE [derivatives do not write again]). The slots are the closed-over
-    tensors, then the module names, each with its shape and dtype."""
+    """The state a function updated (NOTE [derivatives do not write again]).
+    The slots are the closed-over tensors, then the module names, each with
+    its shape and dtype."""
 
-    closed_over: tuple[torch.Tensor, ...]  # real tensors no op of the run made
-    in_modules: tuple[tuple[torch.nn.Module, str], ...]  # bound to a module's name
+    closed_over: tuple[torch.Tensor, ...]  # real tensors written in place that no op of the run made
+    in_modules: tuple[tuple[torch.nn.Module, str], ...]  # a name a module binds
     layouts: tuple[tuple[torch.Size, torch.dtype], ...]  # of every slot
 
     def __bool__(self) -> bool:
         return bool(self.layouts)
+
+    def same_slots(self, other: StateWrites) -> bool:
+        """Whether ``other`` names the same slots."""
+        return self.closed_over_ids() == other.closed_over_ids() and [
+            (id(m), n) for m, n in self.in_modules
+        ] == [(id(m), n) for m, n in other.in_modules]
+
+    def closed_over_ids(self) -> list[int]:
+        return [id(t) for t in self.closed_over]
 
     def slot_bytes(self) -> list[int]:
         """The size of each slot's value, in bytes."""
@@ -75,45 +100,109 @@ class StateWrites:
 
 NO_WRITES = StateWrites((), (), ())
 
+# (id(module), name) of the bindings replaying calls made for a forward: a
+# trial run around a trace leaves them alone (NOTE [derivatives do not write
+# again]).
+_bound_by_replays: set[tuple[int, str]] = set()
 
-def _bound(module: torch.nn.Module, name: str) -> object:
+
+def bound_by_a_replay(module: torch.nn.Module, name: str) -> bool:
+    """Whether a replaying call bound ``module.name`` for the forward running."""
+    return (id(module), name) in _bound_by_replays
+
+
+def _table(module: torch.nn.Module, name: str) -> dict[str, object] | None:
     for table in (module._parameters, module._buffers, module.__dict__):
         if name in table:
-            return table[name]
+            return table
     return None
 
 
+def bound(module: torch.nn.Module, name: str) -> object:
+    """What ``module`` binds to ``name`` now (None if nothing)."""
+    table = _table(module, name)
+    return None if table is None else table[name]
+
+
 @contextlib.contextmanager
-def slots_found(writes: StateWrites, found: Callable[[int, torch.Tensor], None]) -> Iterator[None]:
-    """Within the block, call ``found(slot, tensor)`` for each slot's tensor
-    of ``writes`` as it is found on this thread: a closed-over one at once,
-    one bound to a module when that module's ``forward`` starts (each time
-    it starts, and only if it has the slot's layout)."""
-    for slot, tensor in enumerate(writes.closed_over):
-        found(slot, tensor)
+def module_slots_entered(
+    writes: StateWrites,
+    starts: Callable[[int, torch.nn.Module, str], None],
+    ends: Callable[[int, torch.nn.Module, str], None] | None = None,
+) -> Iterator[None]:
+    """Within the block, call ``starts(slot, module, name)`` for each module
+    slot of ``writes`` when the outermost module ``forward`` holding it (its
+    module or one above) starts on this thread, and ``ends`` with the same
+    when that ``forward`` ends."""
     if not writes.in_modules:
         yield
         return
     first = len(writes.closed_over)
-    slots: dict[int, tuple[torch.nn.Module, list[tuple[int, str]]]] = {}
+    by_module: dict[int, list[tuple[int, torch.nn.Module, str]]] = {}
     for slot, (module, name) in enumerate(writes.in_modules, start=first):
-        slots.setdefault(id(module), (module, []))[1].append((slot, name))
+        by_module.setdefault(id(module), []).append((slot, module, name))
     thread = threading.get_ident()
+    running: list[tuple[torch.nn.Module, list[tuple[int, torch.nn.Module, str]]]] = []
 
-    def starts(module: torch.nn.Module, args: object) -> None:
-        entry = slots.get(id(module))
-        if entry is None or threading.get_ident() != thread:
+    def pre(module: torch.nn.Module, args: object) -> None:
+        if threading.get_ident() != thread:
             return
-        for slot, name in entry[1]:
-            tensor = _bound(module, name)
-            if isinstance(tensor, torch.Tensor) and (tensor.shape, tensor.dtype) == writes.layouts[slot]:
-                found(slot, tensor)
+        if running:
+            running.append((module, []))
+            return
+        held = [entry for sub in module.modules() for entry in by_module.get(id(sub), ())]
+        running.append((module, held))
+        for slot, owner, name in held:
+            starts(slot, owner, name)
 
-    hook = torch.nn.modules.module.register_module_forward_pre_hook(starts)
+    def post(module: torch.nn.Module, args: object, output: object) -> None:
+        if threading.get_ident() != thread or not running:
+            return
+        _, held = running.pop()
+        if ends is not None:
+            for slot, owner, name in held:
+                ends(slot, owner, name)
+
+    pre_hook = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+    post_hook = torch.nn.modules.module.register_module_forward_hook(post, always_call=True)
     try:
         yield
     finally:
-        hook.remove()
+        pre_hook.remove()
+        post_hook.remove()
+
+
+class ReplayedBindings:
+    """A replaying call's module slots: each bound, for the outermost forward
+    holding it, to a tensor of the replay's own (first the token's value,
+    then whatever the forward left there), and bound back after it (NOTE
+    [derivatives do not write again])."""
+
+    def __init__(self, writes: StateWrites, value_of: Callable[[int], torch.Tensor]) -> None:
+        self._writes = writes
+        self._value_of = value_of  # slot -> a new tensor holding the token's value
+        self._state: dict[int, object] = {}  # slot -> the replay's tensor now
+        self._found: dict[int, object] = {}  # slot -> what the module bound when the forward started
+
+    def starts(self, slot: int, module: torch.nn.Module, name: str) -> None:
+        table = _table(module, name)
+        if table is None or slot in self._found:
+            return
+        found = table[name]
+        if not isinstance(found, torch.Tensor) or (found.shape, found.dtype) != self._writes.layouts[slot]:
+            return  # not the state inference saw
+        self._found[slot] = found
+        table[name] = self._state[slot] if slot in self._state else self._value_of(slot)
+        _bound_by_replays.add((id(module), name))
+
+    def ends(self, slot: int, module: torch.nn.Module, name: str) -> None:
+        if slot not in self._found:
+            return
+        table = _table(module, name)
+        if table is not None:
+            self._state[slot] = table[name]  # what the forward left, for a later forward of this call
+            table[name] = self._found.pop(slot)
+        _bound_by_replays.discard((id(module), name))
 
 
 def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -123,53 +212,33 @@ def pack(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().contiguous().reshape(-1).view(torch.uint8).clone()
 
 
+def unpack(data: torch.Tensor, layout: tuple[torch.Size, torch.dtype]) -> torch.Tensor:
+    """A new tensor with the value whose bytes ``data`` holds (from ``pack``)."""
+    shape, dtype = layout
+    return data.clone().view(dtype).reshape(shape)
+
+
 def unpack_into(tensor: torch.Tensor, data: torch.Tensor) -> None:
     """Set ``tensor`` to the value whose bytes ``data`` holds (from ``pack``)."""
     with torch.no_grad(), outside_transforms():
-        tensor.copy_(data.clone().view(tensor.dtype).reshape(tensor.shape))
-
-
-# The tensors a call really writes (a trace's fake tensors are subclasses too).
-_REAL = (torch.Tensor, torch.nn.Parameter)
-
-
-def _snapshot(tensor: torch.Tensor) -> torch.Tensor:
-    """A real copy of ``tensor``, outside any transform or trace running."""
-    with torch.no_grad(), outside_transforms(), _disable_current_modes():
-        return tensor.detach().clone()
+        tensor.copy_(unpack(data, (tensor.shape, tensor.dtype)))
 
 
 class WritesPutBack:
-    """Around each call (``around``), notes the value of every slot's tensor
-    found (``save``, before the call sets or writes it), and puts it back
-    after the call (NOTE [derivatives do not write again]). Calls must not
-    overlap (replayed_calls.py holds one lock around them)."""
+    """Around each call (``around``), notes the value of every closed-over
+    slot's tensor, and puts it back after the call (NOTE [derivatives do
+    not write again])."""
 
     def __init__(self, writes: StateWrites) -> None:
-        # Every tensor found so far: the closed-over ones, and those found
-        # bound to a module at a call (a graph replay runs no forward).
-        self._known: dict[int, torch.Tensor] = {id(t): t for t in writes.closed_over}
-        self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-
-    def save(self, tensor: torch.Tensor) -> None:
-        """Note ``tensor``'s value now, to put back after the call."""
-        if self._saved is None or id(tensor) in self._saved or type(tensor) not in _REAL:
-            return  # outside a call, noted already, or a trace's fake tensor
-        self._known.setdefault(id(tensor), tensor)
-        self._saved[id(tensor)] = (tensor, _snapshot(tensor))
+        self._tensors = writes.closed_over
 
     @contextlib.contextmanager
     def around(self) -> Iterator[None]:
-        if self._saved is not None:  # a call inside one (the runner's forward-mode lock re-enters it)
-            yield
-            return
-        self._saved = {}
+        with torch.no_grad(), outside_transforms(), _disable_current_modes():
+            saved = [(t, t.detach().clone()) for t in self._tensors]
         try:
-            for tensor in list(self._known.values()):
-                self.save(tensor)
             yield
         finally:
-            saved, self._saved = self._saved, None
             with torch.no_grad():
-                for tensor, value in saved.values():
+                for tensor, value in saved:
                     tensor.copy_(value)

@@ -14,7 +14,8 @@ import torch
 
 from . import functorch_levels
 from .convert import torch_dtype
-from .rules.fallbacks import forward_mode, reverse_mode, vmap_auto
+from .replayed_calls import effects
+from .rules.fallbacks import forward_mode, reverse_mode, vmap_auto, warn_once
 from .torch_fn import Aval, Jvp, TorchFn, Transform, Vjp, Vmap
 
 Flat = Callable[..., tuple[torch.Tensor, ...]]
@@ -145,6 +146,19 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
     def auto(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return vmap_auto(checked_expand_dims, sequential, args, base=base, key=prefix)
 
+    if effects(base).writes:
+        # NOTE [derivatives do not write again]: PyTorch's loop over the
+        # examples updates the state once per example; torch.vmap would
+        # update it once for the batch, or fail after a first write (batch
+        # norm counts the batch, then refuses a batched input).
+        warn_once(
+            base,
+            "vmap",
+            f"t2j_ad: {base.name!r} updates state it keeps (running statistics, or a tensor it writes in "
+            f"place); batching it with a sequential loop, one update per example as a loop in PyTorch makes "
+            f"them. Pass vmap_method='sequential' to silence this.",
+        )
+        return sequential
     return auto
 
 

@@ -191,3 +191,167 @@ def test_under_jax_checkpoint_a_step_updates_once():
             got = jax.block_until_ready(step(params, _X))
             assert_tree_allclose(got, _stepped_by_autograd(twin, _X, _square), rtol=1e-5, atol=1e-5)
             assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
+
+
+class _Rebinds(torch.nn.Module):
+    """Binds a new running mean each call, and scales by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("mean", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.mean = 0.5 * self.mean + 0.5 * h.detach().mean(0)
+        return h * (1.0 + self.mean)
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (1.0 + self.buf)
+
+
+class _WritesIntoItsChild(torch.nn.Module):
+    """Updates a child's buffer before (or without) calling the child."""
+
+    def __init__(self, call_child: bool) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.holder = _Holder()
+        self.call_child = call_child
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        with torch.no_grad():
+            self.holder.buf.mul_(0.5).add_(h.mean(0))
+        return self.holder(h) if self.call_child else h * (1.0 + self.holder.buf)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_Rebinds, lambda: _WritesIntoItsChild(call_child=True), lambda: _WritesIntoItsChild(call_child=False)],
+    ids=["forward_rebinds_its_buffer", "parent_writes_before_the_child_runs", "parent_writes_a_child_never_run"],
+)
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_state_a_forward_binds_or_writes_outside_its_own_module_is_updated_once(make, mode):
+    # The state is found when the outermost forward holding it starts, and a
+    # derivative binds a tensor of its own there (NOTE [derivatives do not
+    # write again]); a rebinding counts as an update. Each of these updated
+    # twice per step before, with gradients taken at the updated state.
+    torch.manual_seed(0)
+    module = make().to(TORCH_DEVICE)
+    twin = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
+    step = jax.jit(jax.value_and_grad(lambda p, x: _square(apply(p, x))))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # graph mode refuses a rebinding forward: eager
+        for k in range(3):
+            x = _X[:, :3] * (k + 1)
+            got = jax.block_until_ready(step(params, x))
+            assert_tree_allclose(got, _stepped_by_autograd(twin, x, _square), rtol=1e-5, atol=1e-5)
+            assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
+
+
+class _Counter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.count.add_(1.0)
+        return self.lin(x) * self.count
+
+
+def test_per_example_gradients_update_state_once_per_example_as_a_loop():
+    # torch.vmap makes an unbatched in-place write once for the whole batch;
+    # a loop over the examples makes it once per example, each example
+    # differentiated at its own state.
+    module = _Counter().to(TORCH_DEVICE)
+    twin = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module)
+    per_example = jax.jit(jax.vmap(jax.grad(lambda p, x: _square(apply(p, x))), in_axes=(None, 0)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # the loop, announced
+        got = jax.block_until_ready(per_example(params, _X))
+    expected = [_stepped_by_autograd(twin, row, _square)[1] for row in _X]
+    assert_tree_allclose(got, {k: np.stack([e[k] for e in expected]) for k in expected[0]}, rtol=1e-5, atol=1e-5)
+    assert float(module.count) == float(twin.count) == len(_X)
+
+
+def test_batching_a_training_batch_norm_counts_each_example_once():
+    # Batch norm counts the batch, then refuses a batched input: torch.vmap's
+    # failed attempt left its count behind before the loop (4 for 3 examples).
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Conv1d(3, 3, 1), torch.nn.BatchNorm1d(3, momentum=None)).to(TORCH_DEVICE)
+    twin = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module)
+    xs = jnp.asarray(np.random.default_rng(1).normal(size=(3, 1, 3, 5)), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        got = jax.vmap(apply, in_axes=(None, 0))(params, xs)
+        gradient = jax.grad(lambda p: _square(jax.vmap(apply, in_axes=(None, 0))(p, xs)))(params)
+    with torch.no_grad():
+        expected = torch.stack([twin(x) for x in to_torch(xs)])
+    assert_tree_allclose(got, to_numpy(expected), rtol=1e-5, atol=1e-5)
+    twin.zero_grad()
+    _square(torch.stack([twin(x) for x in to_torch(xs)])).backward()
+    assert_tree_allclose(gradient, {n: to_numpy(p.grad) for n, p in twin.named_parameters()}, rtol=1e-5, atol=1e-5)
+    assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
+    assert int(module[1].num_batches_tracked) == 6
+
+
+def test_batch_norm_in_eval_mode_updates_nothing_and_keeps_the_plain_rules():
+    module = _normalized().eval()
+    apply, params = t2j_ad.jaxify_module(module)
+    before = _state(module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)  # torch.func throughout
+        jax.grad(lambda p, x: _square(apply(p, x)))(params, _X)
+    entry = apply.jaxified._cache[next(iter(apply.jaxified._cache))]
+    assert not entry.base.effects, entry.base.effects
+    assert_tree_allclose(_state(module), before)
+
+
+def test_a_write_the_trial_run_did_not_see_is_refused_by_name():
+    # A write that depends on the input's values: the run on zeros took the
+    # other branch, so the derivative would write a second time.
+    class WritesWhenPositive(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+            self.register_buffer("total", torch.zeros(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            if bool(x.sum() > 0):
+                with torch.no_grad():
+                    self.total.add_(h.mean(0))
+            return h * (1.0 + self.total)
+
+    apply, params = t2j_ad.jaxify_module(WritesWhenPositive().to(TORCH_DEVICE))
+    with pytest.raises(Exception, match=r"did not see that write.*torch.where"):
+        jax.block_until_ready(jax.grad(lambda p, x: _square(apply(p, x)))(params, jnp.abs(_X[:, :3]) + 1.0))
+
+
+def test_a_jitted_derivative_traced_in_eval_mode_is_refused_after_train():
+    # Traced in eval mode, where the module neither draws nor updates, the
+    # derivative takes the plain rules; after module.train() it would draw a
+    # second dropout mask and update batch norm twice.
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.5), torch.nn.BatchNorm1d(4))
+    module = module.to(TORCH_DEVICE).eval()
+    apply, params = t2j_ad.jaxify_module(module)
+    step = jax.jit(jax.value_and_grad(lambda p, x: _square(apply(p, x))))
+    jax.block_until_ready(step(params, _X))
+    module.train()
+    with pytest.raises(Exception, match="changed training mode"):
+        jax.block_until_ready(step(params, _X))
+    module.eval()
+    jax.block_until_ready(step(params, _X))  # back in the mode it was traced in

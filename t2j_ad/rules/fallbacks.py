@@ -59,11 +59,12 @@ class FallbackWarning(UserWarning):
 # An inner level on the torch.autograd.grad path, run inside a torch.func
 # transform (see NOTE [fallbacks]).
 _INNER_AUTOGRAD = "inside of a function being transformed by a functorch transform"
-# A write into a tensor the function closes over: a module in training mode
-# updating its running statistics (BatchNorm), or any state of its own.
-# torch.func refuses it; plain autograd runs it as PyTorch's own backward
-# does, and the write is made once per call (NOTE [derivatives do not write
-# again] in replayed_calls.py).
+# A write into a tensor the function closes over, in a derivative call that
+# replays its value call (NOTE [derivatives do not write again] in
+# state_writes.py): torch.func refuses it; plain autograd runs it as
+# PyTorch's own backward does, and the call puts the tensor back. In a
+# derivative call of the function itself the write went unseen by its
+# trial run, and the call is refused (``_unseen_write``).
 _CAPTURED_WRITE = "that would mutate a captured Tensor"
 _CAPTURED_WRITE_ADVICE = (
     " (The function writes in place into a tensor it closes over, e.g. BatchNorm's running statistics in "
@@ -93,6 +94,20 @@ _FUNCTORCH_REFUSALS = {
     "doesn't have storage": " (The function reads a tensor's data, e.g. with .numpy(), which torch.func cannot trace.)",
     _CAPTURED_WRITE: _CAPTURED_WRITE_ADVICE,
 }
+
+
+def _unseen_write(base: Any, err: BaseException) -> RuntimeError:
+    """The error for a derivative call of a function found writing state that
+    its trial run did not see it write (NOTE [derivatives do not write
+    again] in state_writes.py)."""
+    return RuntimeError(
+        f"{base.name} writes in place into a tensor it keeps between calls ({_first_line(err)}), but the run "
+        f"that inferred its output shapes did not see that write: it depends on the input's values (that run "
+        f"is on zeros), the function was given output_shapes=, or it ran with other training flags when "
+        f"jax.jit traced it. Its derivative would write the state a second time, and start from the state its "
+        f"value call left. Make the write unconditional (torch.where(cond, update, 0)), leave output_shapes "
+        f"out, or trace again after module.train() (a new jax.jit, or jax.clear_caches())."
+    )
 
 
 def _refused(err: BaseException, needles: Iterable[str]) -> bool:
@@ -196,6 +211,8 @@ def reverse_mode(
         except (RuntimeError, NotImplementedError) as err:
             if not _refused(err, _FUNCTORCH_REFUSALS):
                 raise
+            if _CAPTURED_WRITE in str(err) and not getattr(base, "replays", False):
+                raise _unseen_write(base, err) from err
             decided[("vjp", key)] = "autograd"
             warn_once(
                 base,
@@ -246,6 +263,8 @@ def forward_mode(
         except (RuntimeError, NotImplementedError) as err:
             if not _refused(err, _FORWARD_REFUSALS):
                 raise
+            if _CAPTURED_WRITE in str(err) and not getattr(base, "replays", False):
+                raise _unseen_write(base, err) from err
             decided[("jvp", key)] = "double_vjp"
             advice = _advice(err, _FORWARD_REFUSALS)
             warn_once(
