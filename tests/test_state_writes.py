@@ -45,6 +45,19 @@ def _state(module: torch.nn.Module) -> dict[str, np.ndarray]:
     return {name: to_numpy(b) for name, b in module.named_buffers()}
 
 
+def _steps_match_pytorch(step, params, module, twin, inputs, loss=None, grads_only=False) -> None:  # noqa: ANN001
+    """Each of ``step``'s results (value and gradients, or gradients only)
+    and ``module``'s state after it equal those of a step of ``twin`` by
+    PyTorch's autograd, input after input."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # loops and eager fallbacks, announced
+        for x in inputs:
+            got = jax.block_until_ready(step(params, x))
+            value, grads = _stepped_by_autograd(twin, x, loss or _square)
+            assert_tree_allclose(got, grads if grads_only else (value, grads), rtol=1e-5, atol=1e-5)
+            assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
+
+
 def _square(out):  # noqa: ANN001, ANN202 - torch tensors and JAX arrays alike
     return (out**2).sum()
 
@@ -67,17 +80,8 @@ def test_a_training_step_updates_batch_norm_statistics_once(step, mode):
     twin = copy.deepcopy(module)
     apply, params = t2j_ad.jaxify_module(module, compile=mode)
     transform, torch_loss = STEPS[step]
-    f = transform(apply)
-    with warnings.catch_warnings():
-        # torch.func refuses the write into the captured statistics, so
-        # reverse mode takes torch.autograd.grad, announced once.
-        warnings.simplefilter("ignore", FallbackWarning)
-        for _ in range(3):  # the first call traces in graph mode; later ones replay
-            got = jax.block_until_ready(f(params, _X))
-            value, grads = _stepped_by_autograd(twin, _X, torch_loss)
-            expected = grads if step == "jit_grad_linear" else (value, grads)
-            assert_tree_allclose(got, expected, rtol=1e-5, atol=1e-5)
-            assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
+    # three steps: the first call traces in graph mode; later ones replay
+    _steps_match_pytorch(transform(apply), params, module, twin, [_X] * 3, torch_loss, step == "jit_grad_linear")
     assert int(module[1].num_batches_tracked) == 3
 
 
@@ -131,12 +135,7 @@ def test_spectral_norm_is_differentiated_at_the_estimate_its_value_used():
     twin = copy.deepcopy(module)
     apply, params = t2j_ad.jaxify_module(module)
     step = jax.jit(jax.value_and_grad(lambda p, x: _square(apply(p, x))))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FallbackWarning)
-        for _ in range(2):
-            got = jax.block_until_ready(step(params, _X))
-            assert_tree_allclose(got, _stepped_by_autograd(twin, _X, _square), rtol=1e-5, atol=1e-5)
-            assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
+    _steps_match_pytorch(step, params, module, twin, [_X] * 2)
 
 
 def test_a_module_inferred_in_eval_mode_updates_once_in_training_mode():
@@ -148,17 +147,13 @@ def test_a_module_inferred_in_eval_mode_updates_once_in_training_mode():
     jax.block_until_ready(apply(params, _X))
     module.train()
     twin.train()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FallbackWarning)
-        got = jax.block_until_ready(jax.value_and_grad(lambda p, x: _square(apply(p, x)))(params, _X))
-    assert_tree_allclose(got, _stepped_by_autograd(twin, _X, _square), rtol=1e-5, atol=1e-5)
-    assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
+    _steps_match_pytorch(jax.value_and_grad(lambda p, x: _square(apply(p, x))), params, module, twin, [_X])
 
 
 def test_forward_mode_of_a_training_module_writes_once():
-    # torch.func.jvp refuses the captured write as well: forward mode takes
-    # the double-vjp trick on torch.autograd.grad, and its extra forward puts
-    # back what it wrote too.
+    # The value call updates the statistics once; the tangent call runs its
+    # forward on tensors of its own (torch.func.jvp refused a write into the
+    # module's, "would mutate a captured Tensor").
     module = _normalized().train()
     twin = copy.deepcopy(module).train()
     apply, params = t2j_ad.jaxify_module(module)
@@ -185,12 +180,7 @@ def test_under_jax_checkpoint_a_step_updates_once():
     twin = copy.deepcopy(module)
     apply, params = t2j_ad.jaxify_module(module)
     step = jax.jit(jax.value_and_grad(jax.checkpoint(lambda p, x: _square(apply(p, x)))))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FallbackWarning)
-        for _ in range(2):
-            got = jax.block_until_ready(step(params, _X))
-            assert_tree_allclose(got, _stepped_by_autograd(twin, _X, _square), rtol=1e-5, atol=1e-5)
-            assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
+    _steps_match_pytorch(step, params, module, twin, [_X] * 2)
 
 
 class _Rebinds(torch.nn.Module):
@@ -248,13 +238,8 @@ def test_state_a_forward_binds_or_writes_outside_its_own_module_is_updated_once(
     twin = copy.deepcopy(module)
     apply, params = t2j_ad.jaxify_module(module, compile=mode)
     step = jax.jit(jax.value_and_grad(lambda p, x: _square(apply(p, x))))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FallbackWarning)  # graph mode refuses a rebinding forward: eager
-        for k in range(3):
-            x = _X[:, :3] * (k + 1)
-            got = jax.block_until_ready(step(params, x))
-            assert_tree_allclose(got, _stepped_by_autograd(twin, x, _square), rtol=1e-5, atol=1e-5)
-            assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
+    # graph mode refuses a rebinding forward (eager, announced)
+    _steps_match_pytorch(step, params, module, twin, [_X[:, :3] * (k + 1) for k in range(3)])
 
 
 class _Counter(torch.nn.Module):
