@@ -30,7 +30,15 @@ import warnings
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from common import markdown_table, print_report, set_threads, thread_args, time_calls, torch_device, torch_done  # noqa: E402
+from common import (  # noqa: E402
+    markdown_table,
+    print_report,
+    set_threads,
+    thread_args,
+    time_calls,
+    torch_device,
+    torch_done,
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -103,7 +111,9 @@ def contenders() -> dict:
         for key, g in grads.items():
             np.testing.assert_allclose(np.asarray(got_grads[key]), g.cpu().numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
         for (key, b), (_, want) in zip(module.named_buffers(), twin.named_buffers()):
-            np.testing.assert_allclose(b.cpu().numpy(), want.cpu().numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{name} {key}")
+            np.testing.assert_allclose(
+                b.cpu().numpy(), want.cpu().numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{name} {key}"
+            )
     jax.block_until_ready(eval_step(eval_params, jx, jonehot))
 
     def ours(name: str):  # noqa: ANN202

@@ -3,9 +3,10 @@
 The tangent call is linear in its tangent inputs, so JAX's partial evaluation
 splits it off cleanly and transpose.py can turn it into a Vjp call: reverse
 mode is JAX's own linearize-then-transpose. A function that draws random
-numbers, or writes into state it keeps, binds instead a primal call that also
-returns a token (the generator state it started from) and a tangent call that
-replays it (NOTE [derivatives replay the value's draws] in replayed_calls.py).
+numbers, or updates state it keeps, binds instead a primal call that also
+returns a token (the generator state and the kept state it started from) and
+a tangent call that replays it (NOTE [derivatives replay the value's draws]
+in replayed_calls.py).
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def _jvp_replaying(
     primals: Sequence[Any], tangents: Sequence[Any | None], fun: TorchFn, seen: Effects
 ) -> tuple[list[Any], list[Any | None]]:
     """NOTE [derivatives replay the value's draws]: the value call returns a
-    token (the generator state it started from), and the tangent call
-    replays it. ``fun`` is the function batched by ``jax.vmap`` (its
+    token (the generator state and the kept state it started from), and the
+    tangent call replays it. ``fun`` is the function batched by ``jax.vmap`` (its
     transforms are Vmaps), and may itself be such a value call (an outer
     derivative over it), whose outputs end with the token."""
     keeping, replaying = keeping_and_replaying(fun.base, seen)
