@@ -165,6 +165,7 @@ def _variant(
     out_names: tuple[str, ...],
     torch_out_dtypes: tuple[Any, ...],
     put_back: WritesPutBack | None,
+    replays: bool,
 ) -> BaseFn:
     """A function of ``base``'s root with the effects ``seen``; its calls hold
     the lock and, with ``put_back``, put back what they wrote."""
@@ -172,8 +173,9 @@ def _variant(
         fn,
         name=base.name,
         # A loop over examples updates kept state once per example (NOTE
-        # [derivatives do not write again]); torch.vmap cannot replay a token per example.
-        vmap_method="sequential" if seen.writes else base.vmap_method,
+        # [derivatives do not write again]); a replay batched over examples
+        # loops too (transforms._make_vmap), over tangents it need not.
+        vmap_method="sequential" if seen.writes and not replays else base.vmap_method,
         in_avals=in_avals,
         out_avals=out_avals,
         out_names=out_names,
@@ -185,6 +187,7 @@ def _variant(
         compile="eager" if seen.draws_random else base.compile,
     )
     variant.effects_root = base  # type: ignore[attr-defined]
+    variant.replays = replays  # type: ignore[attr-defined]
     variant.effects = seen
     variant.find_effects = base.find_effects
 
@@ -279,6 +282,7 @@ def _keeping(base: BaseFn, seen: Effects) -> BaseFn:
         out_names=base.out_names + ("the state it started from",),
         torch_out_dtypes=base.torch_out_dtypes + (torch.uint8,),
         put_back=None,
+        replays=False,
     )
 
 
@@ -321,7 +325,7 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
             finally:
                 generator.set_state(now)
 
-    made = _variant(
+    return _variant(
         base,
         replaying,
         seen,
@@ -330,6 +334,5 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
         out_names=base.out_names,
         torch_out_dtypes=base.torch_out_dtypes,
         put_back=WritesPutBack(writes) if writes.closed_over else None,
+        replays=True,
     )
-    made.replays = True  # type: ignore[attr-defined]
-    return made

@@ -146,6 +146,13 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
     def auto(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return vmap_auto(checked_expand_dims, sequential, args, base=base, key=prefix)
 
+    # The token is the replay's last input of its own, ahead of any tangents
+    # and cotangents the transforms append.
+    if getattr(base, "replays", False) and in_dims[len(base.in_avals) - 1] is not None:
+        # A replay with one token per example (NOTE [derivatives replay the
+        # value's draws]): torch.vmap cannot set a state per example. Over
+        # tangents (the token unbatched) torch.vmap batches it.
+        return sequential
     if effects(base).writes:
         # NOTE [derivatives do not write again]: PyTorch's loop over the
         # examples updates the state once per example; torch.vmap would

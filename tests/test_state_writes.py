@@ -340,3 +340,25 @@ def test_a_jitted_derivative_traced_in_eval_mode_is_refused_after_train():
         jax.block_until_ready(step(params, _X))
     module.eval()
     jax.block_until_ready(step(params, _X))  # back in the mode it was traced in
+
+
+def test_a_jacobian_replays_its_value_once_for_every_direction():
+    # jax.jacfwd batches the tangents, not the token: one torch.vmap over
+    # the directions replays the one value call. It ran a loop over the
+    # directions before (a Hessian of a batch-norm net was 9x slower in
+    # graph mode than without running statistics).
+    module = _Counter().to(TORCH_DEVICE)
+    runs = []
+    module.register_forward_pre_hook(lambda m, args: runs.append(1))
+    twin = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module, compile="eager")
+    x = _X[:2, :3]
+    jax.block_until_ready(apply(params, x))  # inference and a first call
+    runs.clear()
+    jacobian = jax.jacfwd(lambda x: apply(params, x))(x)
+    assert len(runs) == 2, runs  # the value call, and one tangent call for all 6 directions
+    twin.count.add_(1.0)  # the first call above
+    tx = to_torch(x)
+    expected = torch.autograd.functional.jacobian(lambda x: twin(x), tx)
+    assert_tree_allclose(jacobian, to_numpy(expected), rtol=1e-5, atol=1e-6)
+    assert float(module.count) == float(twin.count)
