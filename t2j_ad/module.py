@@ -29,8 +29,9 @@ once (under the same lock) and never swaps again.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -62,6 +63,30 @@ class _BuffersByDevice:
             if device.type != "meta" and all(type(b) is torch.Tensor for b in moved.values()):
                 self.copies[device] = (versions, moved)
             return moved
+
+
+@contextlib.contextmanager
+def _buffers_bound(module: torch.nn.Module, copies: Mapping[str, torch.Tensor] | None) -> Iterator[None]:
+    """Within the block, ``module``'s buffers are ``copies`` (by name), each
+    bound once in the module that holds it and put back after. A submodule
+    shared by two parents has its buffers under two names, and
+    torch.func.functional_call given the copies bound them twice and left a
+    copy in the module for good (meta tensors after shape inference)."""
+    if copies is None:
+        yield
+        return
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for prefix, sub in module.named_modules():  # each module once, however many names it has
+            for name, held in list(sub._buffers.items()):
+                key = f"{prefix}.{name}" if prefix else name
+                if held is not None and key in copies:
+                    swapped.append((sub._buffers, name, held))
+                    sub._buffers[name] = copies[key]
+        yield
+    finally:
+        for table, name, held in reversed(swapped):
+            table[name] = held
 
 
 def _call_device(params: Mapping[str, torch.Tensor], args: Any, kwargs: Any) -> torch.device | None:
@@ -169,11 +194,10 @@ def jaxify_module(
     def forward(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         on_device = buffers.on(_call_device(params, args, kwargs))
         # On their own device the module runs on its buffers as they are, so a
-        # forward that binds a new buffer keeps it, as in PyTorch
-        # (functional_call puts back whatever it was given); elsewhere on copies.
-        tensors = params if on_device is buffers.home else (params, on_device)
-        with in_module:
-            return torch.func.functional_call(module, tensors, args, kwargs)
+        # forward that binds a new buffer keeps it, as in PyTorch; elsewhere on
+        # copies, bound once per module (_buffers_bound).
+        with in_module, _buffers_bound(module, None if on_device is buffers.home else on_device):
+            return torch.func.functional_call(module, params, args, kwargs)
 
     forward.__qualname__ = f"{type(module).__name__}.forward"
     nums = check_batch_argnums(batch_argnums)

@@ -107,7 +107,12 @@ class RealWritesUndone(TorchDispatchMode):
             if not isinstance(written, torch.Tensor):
                 continue
             self._note_state(written)
-            if type(written) is torch.Tensor and written.device.type != "meta" and id(written) not in self.saved:
+            if (
+                type(written) is torch.Tensor
+                and written.device.type != "meta"
+                and id(written) not in self.saved
+                and not self._made_here(written)  # a temporary of the run: nothing to put back
+            ):
                 with _disable_current_modes():  # a real copy, not a fake one
                     self.saved[id(written)] = (written, written.detach().clone())
         result = func(*args, **kwargs)
@@ -123,6 +128,10 @@ class RealWritesUndone(TorchDispatchMode):
             if fresh and type(r) is torch.Tensor and r.device.type != "meta" and r.layout == torch.strided:
                 self._made.add(r.untyped_storage().data_ptr())
 
+    def _made_here(self, tensor: torch.Tensor) -> bool:
+        """Whether an op of the block made ``tensor``'s storage (a dense tensor's)."""
+        return tensor.layout == torch.strided and tensor.untyped_storage().data_ptr() in self._made
+
     def _note_state(self, written: torch.Tensor) -> None:
         """Note ``written`` as kept between calls if a module holds it or no op made it."""
         whole = written._base if written._base is not None else written
@@ -134,7 +143,7 @@ class RealWritesUndone(TorchDispatchMode):
             and whole.device.type != "meta"
             and whole.layout == torch.strided  # a sparse tensor has no storage to compare
             and whole.numel()
-            and whole.untyped_storage().data_ptr() not in self._made
+            and not self._made_here(whole)
         ):
             self._closed_over.setdefault(id(whole), whole)
 
@@ -280,8 +289,18 @@ class TrialRun:
 # undid each other's seeding, so a trace took the other's restore for the
 # function setting the random state, and refused a function that never
 # touches it; make_fx is not reentrant across threads either. Trial runs are
-# rare (once per signature and per transform), so they take turns.
+# rare (once per signature and per transform), so they take turns. A call
+# that updates state a trial run on zeros also writes (running statistics)
+# holds them off as well: the run on zeros put back the statistics it found,
+# undoing the updates another thread's calls made meanwhile.
 _one_trial_run = threading.RLock()
+
+
+def one_trial_run() -> threading.RLock:
+    """The lock trial runs hold: held by a call that updates state, it holds
+    off trial runs on other threads, which would put back what it wrote when
+    they end (NOTE [one trial run at a time])."""
+    return _one_trial_run
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ XLA's input and output buffers as torch tensors without copying and call
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import threading
@@ -21,6 +22,7 @@ from .convert import jax_dtype, torch_dtype
 from .cuda_streams import external_stream, run_on_stream
 from .malloc_tuning import tune_malloc
 from .module_modes import ModuleModes, modes_hold
+from .real_writes import one_trial_run
 from .replayed_calls import effects_now, traced_for
 from .torch_fn import Jvp, TorchFn, Vmap
 from .transforms import build
@@ -482,17 +484,36 @@ class _Runner:
 
 
 class _RunnerWithEffects(_Runner):
-    """The runner of a call whose function ran modules and that replays, or
-    that a JVP rule bound knowing it neither draws nor updates state (NOTE
-    [derivatives replay the value's draws] in replayed_calls.py). Under
-    ``jax.jit`` such a call runs again after ``module.train()`` or
-    ``.eval()``, with which the function may draw or update other than
-    the rules saw: a derivative would then draw or write a second time, so
-    the call is refused. A replayed call holds the lock and puts back what
-    it writes (``BaseFn.call_effects``), around the whole call."""
+    """The runner of a call of a function that draws random numbers or
+    updates state it keeps, or that ran modules whose training flags decide
+    whether it does (NOTE [derivatives replay the value's draws] in
+    replayed_calls.py):
+
+    - Under ``jax.jit`` a derivative, or a value call that keeps the state
+      its derivatives replay, runs again after ``module.train()`` or
+      ``.eval()``, with which the function may draw or update other than the
+      JVP rule saw: a derivative would then draw or write a second time, so
+      the call is refused.
+    - A value call that updates state holds off trial runs on other threads
+      (NOTE [one trial run at a time]), which put back what they wrote when
+      they end and would undo this call's updates.
+    - A keeping or replaying call holds the lock of such calls and puts
+      back what it writes (``BaseFn.call_effects``), around the whole call.
+    """
+
+    def __init__(self, fun: TorchFn) -> None:
+        super().__init__(fun)
+        base = fun.base
+        derivative = any(not isinstance(t, Vmap) for t in fun.transforms)
+        self.checks_flags = bool(base.effects is not None and base.effects.modes) and (
+            derivative or base.call_effects is not None
+        )
+        # Only value calls: a derivative may hold the forward-mode lock, which
+        # a trace on another thread takes before the trial-run lock.
+        self.holds_off_trial_runs = not derivative and bool(base.effects and base.effects.writes)
 
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
-        if not effects_now(self.base).same_as(traced_for(self.base)):
+        if self.checks_flags and not effects_now(self.base).same_as(traced_for(self.base)):
             raise TorchCallError(
                 f"{self.name}: the modules it runs changed training mode (module.train() or .eval()) since "
                 f"jax.jit traced it, and with that mode the function draws random numbers or updates state "
@@ -500,19 +521,18 @@ class _RunnerWithEffects(_Runner):
                 f"Trace again after changing the mode: call a new jax.jit of it, or jax.clear_caches()."
             )
         call_effects = self.base.call_effects
-        if call_effects is None:
-            super().__call__(inputs, outputs, stream)
-            return
-        with call_effects():
-            super().__call__(inputs, outputs, stream)
+        with one_trial_run() if self.holds_off_trial_runs else contextlib.nullcontext():
+            with call_effects() if call_effects is not None else contextlib.nullcontext():
+                super().__call__(inputs, outputs, stream)
 
 
 def _runner_class(fun: TorchFn) -> type[_Runner]:
-    base = fun.base
+    """``_RunnerWithEffects`` where one of its duties applies, else the plain runner."""
+    base, effects = fun.base, fun.base.effects
+    derivative = any(not isinstance(t, Vmap) for t in fun.transforms)
     if base.call_effects is not None:
         return _RunnerWithEffects
-    derivative = any(not isinstance(t, Vmap) for t in fun.transforms)
-    if derivative and base.effects is not None and base.effects.modes:
+    if effects is not None and ((derivative and effects.modes) or (not derivative and effects.writes)):
         return _RunnerWithEffects
     return _Runner
 

@@ -80,6 +80,20 @@ def _make_vjp(t: Vjp, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], ba
     return vjp_fn
 
 
+def _announce_loop_for_state(base: Any) -> None:
+    """NOTE [derivatives do not write again]: PyTorch's loop over the
+    examples updates the state once per example; torch.vmap would update it
+    once for the batch, or fail after a first write (batch norm counts the
+    batch, then refuses a batched input). Said once per function."""
+    warn_once(
+        base,
+        "vmap",
+        f"t2j_ad: {base.name!r} updates state it keeps (running statistics, or a tensor it writes in "
+        f"place); batching it with a sequential loop, one update per example as a loop in PyTorch makes "
+        f"them. Pass vmap_method='sequential' to silence this.",
+    )
+
+
 def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], base: Any, prefix: Any) -> Flat:
     in_dims, size = t.in_dims, t.axis_size
 
@@ -123,6 +137,9 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
         return batched
 
     if t.method == "sequential":
+        root = getattr(base, "effects_root", None)
+        if root is not None and root.vmap_method == "auto" and base.effects.writes and not base.replays:
+            _announce_loop_for_state(root)  # the value call of per-example gradients
         return sequential
     if t.method == "expand_dims":
         return asked_for(expand_dims)
@@ -154,17 +171,7 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
         # tangents (the token unbatched) torch.vmap batches it.
         return sequential
     if effects(base).writes:
-        # NOTE [derivatives do not write again]: PyTorch's loop over the
-        # examples updates the state once per example; torch.vmap would
-        # update it once for the batch, or fail after a first write (batch
-        # norm counts the batch, then refuses a batched input).
-        warn_once(
-            base,
-            "vmap",
-            f"t2j_ad: {base.name!r} updates state it keeps (running statistics, or a tensor it writes in "
-            f"place); batching it with a sequential loop, one update per example as a loop in PyTorch makes "
-            f"them. Pass vmap_method='sequential' to silence this.",
-        )
+        _announce_loop_for_state(base)
         return sequential
     return auto
 

@@ -112,3 +112,35 @@ def test_params_are_copies_not_views_of_the_module():
     with torch.no_grad():
         model.weight.add_(1.0)
     np.testing.assert_array_equal(np.asarray(params["weight"]), before)
+
+
+def test_a_submodule_shared_by_two_parents_keeps_its_buffers():
+    # Its buffers have two names; functional_call given meta copies (shape
+    # inference) under both bound them twice and left them in the module:
+    # every call failed ("Tensor on device meta"), and the module itself was
+    # left holding meta buffers.
+    class Parent(nn.Module):
+        def __init__(self, shared: nn.Module) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.shared = shared
+
+        def forward(self, x):
+            return self.shared(torch.tanh(self.lin(x)))
+
+    class Top(nn.Module):
+        def __init__(self, shared: nn.Module) -> None:
+            super().__init__()
+            self.a, self.b = Parent(shared), Parent(shared)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    shared = nn.BatchNorm1d(3)
+    with torch.no_grad():
+        shared.running_mean.copy_(torch.tensor([0.5, -0.5, 0.0]))
+    module = _seeded(Top(shared)).eval()
+    apply, params = t2j_ad.jaxify_module(module)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(4, 3)), jnp.float32)
+    assert_tree_allclose(apply(params, x), _reference(module, x), rtol=1e-5, atol=1e-6)
+    assert all(b.device == torch.device(TORCH_DEVICE) for b in module.buffers())

@@ -262,9 +262,11 @@ def test_per_example_gradients_update_state_once_per_example_as_a_loop():
     twin = copy.deepcopy(module)
     apply, params = t2j_ad.jaxify_module(module)
     per_example = jax.jit(jax.vmap(jax.grad(lambda p, x: _square(apply(p, x))), in_axes=(None, 0)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FallbackWarning)  # the loop, announced
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         got = jax.block_until_ready(per_example(params, _X))
+    messages = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    assert len(messages) == 1 and "updates state it keeps" in messages[0], messages
     expected = [_stepped_by_autograd(twin, row, _square)[1] for row in _X]
     assert_tree_allclose(got, {k: np.stack([e[k] for e in expected]) for k in expected[0]}, rtol=1e-5, atol=1e-5)
     assert float(module.count) == float(twin.count) == len(_X)

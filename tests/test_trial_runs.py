@@ -8,6 +8,7 @@ inputs; the attribute bookkeeping is checked on plain modules.
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 
 import jax
@@ -208,3 +209,51 @@ def test_inference_on_zeros_leaves_batch_norm_running_statistics_alone(mode):
             jax.eval_shape(apply, params, jax.ShapeDtypeStruct((batch + 5, 3), jnp.float32))
             for name in ("running_mean", "running_var", "num_batches_tracked"):
                 assert_tree_allclose(to_numpy(getattr(module, name)), to_numpy(getattr(twin, name)))
+
+
+def test_a_temporary_reshaped_in_place_is_not_put_back():
+    # A trial run put back every real tensor written in place, its own
+    # temporaries too; a GRU on the CPU transposes one in place
+    # (aten.transpose_), and the put-back of the old value failed on the new
+    # shape, so a closure over any GRU failed inference on zeros.
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(4, 5, batch_first=True).to(TORCH_DEVICE)
+    f = t2j_ad.jaxify(lambda x: gru(x)[0])
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 6, 4)), jnp.float32)
+    with torch.no_grad():
+        expected = gru(to_torch(x))[0]
+    assert_tree_allclose(f(x), to_numpy(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_a_trial_run_does_not_undo_another_threads_updates():
+    # A closure's inference on zeros writes the module's running statistics
+    # and puts back what it found when it ends; calls of another jaxify'd
+    # function of the same module on another thread meanwhile lost their
+    # updates. A call that updates state holds trial runs off (NOTE [one
+    # trial run at a time]), and here waits for the trial run to end.
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).to(TORCH_DEVICE).train()
+    apply, params = t2j_ad.jaxify_module(module)
+    jax.block_until_ready(apply(params, jnp.ones((4, 3))))  # inferred and compiled: 1 batch
+    in_trial_run, calls_made = threading.Event(), threading.Event()
+
+    def closure(x):
+        out = module(x)
+        if not bool(x.any()):  # the run on zeros (the meta run fails on bool())
+            in_trial_run.set()
+            calls_made.wait(timeout=1.0)  # the other thread's calls would land here
+        return out
+
+    f = t2j_ad.jaxify(closure)
+
+    def worker(k: int) -> None:
+        if k == 0:
+            jax.block_until_ready(f(jnp.ones((4, 3))))  # inference, then 1 batch
+            return
+        in_trial_run.wait(timeout=5.0)
+        for i in range(5):
+            jax.block_until_ready(apply(params, jnp.ones((4, 3)) * (i + 2)))  # 5 batches
+        calls_made.set()
+
+    run_in_threads(worker, 2)
+    assert int(module[1].num_batches_tracked) == 7
