@@ -9,16 +9,29 @@ by DLPack), and its parameters land where the inputs will be. The buffers
 (``BatchNorm`` statistics, masks, tables) stay torch tensors, passed as
 constants; each call uses them on the device the call runs on, copied there
 once per device and copied again only after the module changed them in place
-(their ``_version`` moved), and bound in the module that holds each one for
-the length of the call (``_buffers_bound``). The copy for the parameters' device is made when
+(their ``_version`` moved), and bound in the module for the length of the
+call (NOTE [binding tensors into a module]). The copy for the parameters'
+device is made when
 the module is jaxified: a graph-mode trace there then finds real tensors to
 take in as constants (its own copies would be fake tensors, and the graph
 would copy the buffers on every replay). A call runs where its arrays are, so
 one module serves CPU and GPU calls alike.
 
+NOTE [binding tensors into a module]
+A call runs the module on the parameters JAX passes (and on copies of its
+buffers, on another device) by binding them into the module object for the
+length of the call, and binding the module's own back after. Each module's
+own tensors are bound once: ``_TensorSlots`` lists every (module, name)
+holding a parameter or buffer, each module once however many names it has,
+with the name ``named_parameters()`` gives the tensor (a tied weight has
+one). torch.func.functional_call bound the tensors of a submodule shared by
+two parents once per name, and its second swap saved the first one's tensor
+as "the module's": the module was left holding a call's input (a view of an
+XLA buffer) or a trace's fake tensor for good.
+
 NOTE [one module, many threads]
-torch.func.functional_call runs a module on the parameters it is given by
-swapping them into the module object for the length of the call. XLA calls
+A call runs a module on the parameters it is given by binding them into
+the module object for the length of the call. XLA calls
 one jaxify'd module from several threads at once (one per device in a
 sharded jit, and any user threads): two calls inside the module together
 would each run on the other's parameters, and each one's gradient with
@@ -66,28 +79,42 @@ class _BuffersByDevice:
             return moved
 
 
+class _TensorSlots:
+    """Where a module holds each parameter and buffer (NOTE [binding tensors
+    into a module]): (table, name, the key ``named_parameters()`` or
+    ``named_buffers()`` gives the tensor), each module once."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        keys: dict[int, str] = {}
+        for key, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            keys.setdefault(id(tensor), key)
+        self.params: list[tuple[dict[str, Any], str, str]] = []
+        self.buffers: list[tuple[dict[str, Any], str, str]] = []
+        for _, sub in module.named_modules():
+            for name, held in sub._parameters.items():
+                if held is not None:
+                    self.params.append((sub._parameters, name, keys[id(held)]))
+            for name, held in sub._buffers.items():
+                if held is not None:
+                    self.buffers.append((sub._buffers, name, keys[id(held)]))
+
+
 @contextlib.contextmanager
-def _buffers_bound(module: torch.nn.Module, copies: Mapping[str, torch.Tensor] | None) -> Iterator[None]:
-    """Within the block, ``module``'s buffers are ``copies`` (by name), each
-    bound once in the module that holds it and put back after. A submodule
-    shared by two parents has its buffers under two names, and
-    torch.func.functional_call given the copies bound them twice and left a
-    copy in the module for good (meta tensors after shape inference)."""
-    if copies is None:
+def _bound(slots: list[tuple[dict[str, Any], str, str]], tensors: Mapping[str, torch.Tensor] | None) -> Iterator[None]:
+    """Within the block, each slot holds ``tensors[key]``; what it held is put
+    back after (nothing is bound when ``tensors`` is None)."""
+    if tensors is None:
         yield
         return
-    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    held: list[tuple[dict[str, Any], str, Any]] = []
     try:
-        for prefix, sub in module.named_modules():  # each module once, however many names it has
-            for name, held in list(sub._buffers.items()):
-                key = f"{prefix}.{name}" if prefix else name
-                if held is not None and key in copies:
-                    swapped.append((sub._buffers, name, held))
-                    sub._buffers[name] = copies[key]
+        for table, name, key in slots:
+            held.append((table, name, table[name]))
+            table[name] = tensors[key]
         yield
     finally:
-        for table, name, held in reversed(swapped):
-            table[name] = held
+        for table, name, tensor in reversed(held):
+            table[name] = tensor
 
 
 def _call_device(params: Mapping[str, torch.Tensor], args: Any, kwargs: Any) -> torch.device | None:
@@ -158,8 +185,8 @@ def jaxify_module(
 
     ``params`` maps each name of ``module.named_parameters()`` to a JAX array
     (a copy, so later in-place training of the module does not change it).
-    ``apply(params, *args, **kwargs)`` runs the module through
-    ``torch.func.functional_call``, with its buffers passed as constants, so JAX
+    ``apply(params, *args, **kwargs)`` runs the module with ``params`` bound
+    in it, and its buffers as constants, so JAX
     can differentiate with respect to ``params``. Each call runs on the device
     of its arrays, the buffers copied there (NOTE [a module's devices]).
 
@@ -188,6 +215,7 @@ def jaxify_module(
     _check_device(device)
     params = {name: copy_to_jax(p, device) for name, p in module.named_parameters()}
     buffers = _BuffersByDevice(module)
+    slots = _TensorSlots(module)
     # NOTE [a module's devices]: copied now to where the parameters went.
     buffers.on(torch_device(_first_device(params.values(), device)))
     in_module = threading.RLock()  # NOTE [one module, many threads]
@@ -196,9 +224,10 @@ def jaxify_module(
         on_device = buffers.on(_call_device(params, args, kwargs))
         # On their own device the module runs on its buffers as they are, so a
         # forward that binds a new buffer keeps it, as in PyTorch; elsewhere on
-        # copies, bound once per module (_buffers_bound).
-        with in_module, _buffers_bound(module, None if on_device is buffers.home else on_device):
-            return torch.func.functional_call(module, params, args, kwargs)
+        # copies. NOTE [binding tensors into a module]
+        copies = None if on_device is buffers.home else on_device
+        with in_module, _bound(slots.params, params), _bound(slots.buffers, copies):
+            return module(*args, **kwargs)
 
     forward.__qualname__ = f"{type(module).__name__}.forward"
     nums = check_batch_argnums(batch_argnums)

@@ -31,8 +31,8 @@ trace left the module holding fake tensors for good. So when a module's
 hooks), the parameters, buffers and tensor attributes of that module and of
 every module under it are noted, unless an enclosing ``forward`` noted them,
 and any of them rebound is put back when that ``forward`` ends, returned or
-raised: inside whatever swapped tensors in around the call
-(``functional_call``), which then puts its own back. A graph cannot replay a
+raised: inside whatever bound tensors in around the call (jaxify_module's
+parameters), which then puts its own back. A graph cannot replay a
 rebinding, which is Python, so a trace that made one is refused
 (``trace_refusals.refuse_rebound_attributes``). A binding the function makes
 before any module it reaches runs (a plain function assigning

@@ -23,8 +23,8 @@ every in-place write, ``RealWritesUndone``, and every attribute a
 
 - a tensor bound to a module whose ``forward`` ran (a parameter, buffer or
   attribute), as the module and the name, because the tensor bound there at
-  a call may be another object than at inference (``functional_call`` swaps
-  tensors in, a module's buffers are copied to each device, the run on meta
+  a call may be another object than at inference (``jaxify_module`` binds
+  its parameters in, a module's buffers are copied to each device, the run on meta
   tensors wrote meta copies, and a ``forward`` may bind a new one);
 - any other real tensor written in place that no op of the run made (one
   the function closes over), as itself.

@@ -114,11 +114,14 @@ def test_params_are_copies_not_views_of_the_module():
     np.testing.assert_array_equal(np.asarray(params["weight"]), before)
 
 
-def test_a_submodule_shared_by_two_parents_keeps_its_buffers():
-    # Its buffers have two names; functional_call given meta copies (shape
-    # inference) under both bound them twice and left them in the module:
-    # every call failed ("Tensor on device meta"), and the module itself was
-    # left holding meta buffers.
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_submodule_shared_by_two_parents_keeps_its_own_tensors(mode):
+    # Its tensors have two names each; torch.func.functional_call bound them
+    # once per name and left the second binding's tensor in the module: the
+    # meta copies of its buffers (shape inference; every call then failed,
+    # "Tensor on device meta"), a call's input as its weight (a view of an
+    # XLA buffer), or a trace's fake tensor (NOTE [binding tensors into a
+    # module]).
     class Parent(nn.Module):
         def __init__(self, shared: nn.Module) -> None:
             super().__init__()
@@ -140,7 +143,11 @@ def test_a_submodule_shared_by_two_parents_keeps_its_buffers():
     with torch.no_grad():
         shared.running_mean.copy_(torch.tensor([0.5, -0.5, 0.0]))
     module = _seeded(Top(shared)).eval()
-    apply, params = t2j_ad.jaxify_module(module)
+    own = {name: t for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]}
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
     x = jnp.asarray(np.random.default_rng(4).normal(size=(4, 3)), jnp.float32)
-    assert_tree_allclose(apply(params, x), _reference(module, x), rtol=1e-5, atol=1e-6)
-    assert all(b.device == torch.device(TORCH_DEVICE) for b in module.buffers())
+    got = apply(params, x)
+    jax.grad(lambda p: apply(p, x).sum())(params)
+    now = dict([*module.named_parameters(remove_duplicate=False), *module.named_buffers()])
+    assert all(now[name] is tensor for name, tensor in own.items()), [n for n, t in own.items() if now[n] is not t]
+    assert_tree_allclose(got, _reference(module, x), rtol=1e-5, atol=1e-6)

@@ -83,7 +83,7 @@ def _on_device(module):
     [
         # Inference ran a closure on zeros (it closes over real tensors),
         # which halved both averages; a trace left the module holding fake
-        # tensors; and jaxify_module's functional_call put the old buffer back
+        # tensors; and jaxify_module's binding of its parameters put the old buffer back
         # after each call.
         (_Averaging, lambda m: (m.ema, m.plain), "_Averaging.ema, _Averaging.plain"),
         # Only a forward's own module had its names put back: the run on
