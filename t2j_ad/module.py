@@ -101,14 +101,17 @@ class _TensorSlots:
 
 @contextlib.contextmanager
 def _bound(slots: list[tuple[dict[str, Any], str, str]], tensors: Mapping[str, torch.Tensor] | None) -> Iterator[None]:
-    """Within the block, each slot holds ``tensors[key]``; what it held is put
-    back after (nothing is bound when ``tensors`` is None)."""
+    """Within the block, each slot whose key ``tensors`` has holds
+    ``tensors[key]``; what it held is put back after (nothing is bound when
+    ``tensors`` is None)."""
     if tensors is None:
         yield
         return
     held: list[tuple[dict[str, Any], str, Any]] = []
     try:
         for table, name, key in slots:
+            if key not in tensors:
+                continue  # added after jaxify_module: it runs on its own, as functional_call left it
             held.append((table, name, table[name]))
             table[name] = tensors[key]
         yield
@@ -215,7 +218,6 @@ def jaxify_module(
     _check_device(device)
     params = {name: copy_to_jax(p, device) for name, p in module.named_parameters()}
     buffers = _BuffersByDevice(module)
-    slots = _TensorSlots(module)
     # NOTE [a module's devices]: copied now to where the parameters went.
     buffers.on(torch_device(_first_device(params.values(), device)))
     in_module = threading.RLock()  # NOTE [one module, many threads]
@@ -226,8 +228,10 @@ def jaxify_module(
         # forward that binds a new buffer keeps it, as in PyTorch; elsewhere on
         # copies. NOTE [binding tensors into a module]
         copies = None if on_device is buffers.home else on_device
-        with in_module, _bound(slots.params, params), _bound(slots.buffers, copies):
-            return module(*args, **kwargs)
+        with in_module:
+            slots = _TensorSlots(module)  # the module as it is now, as functional_call found it
+            with _bound(slots.params, params), _bound(slots.buffers, copies):
+                return module(*args, **kwargs)
 
     forward.__qualname__ = f"{type(module).__name__}.forward"
     nums = check_batch_argnums(batch_argnums)

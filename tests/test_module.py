@@ -151,3 +151,15 @@ def test_a_submodule_shared_by_two_parents_keeps_its_own_tensors(mode):
     now = dict([*module.named_parameters(remove_duplicate=False), *module.named_buffers()])
     assert all(now[name] is tensor for name, tensor in own.items()), [n for n, t in own.items() if now[n] is not t]
     assert_tree_allclose(got, _reference(module, x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_submodule_replaced_after_jaxify_module_runs_on_the_params_passed():
+    # The tensors are bound by name into the module as it is at the call, as
+    # functional_call bound them: a replaced submodule runs on params too.
+    module = _seeded(nn.Sequential(nn.Linear(3, 3), nn.Tanh()))
+    apply, params = t2j_ad.jaxify_module(module)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(2, 3)), jnp.float32)
+    before = apply(params, x), jax.grad(lambda p: apply(p, x).sum())(params)
+    module[0] = nn.Linear(3, 3).to(TORCH_DEVICE)
+    after = apply(params, x), jax.grad(lambda p: apply(p, x).sum())(params)
+    assert_tree_allclose(after, before)
