@@ -24,7 +24,8 @@ length of the call, and binding the module's own back after. Each module's
 own tensors are bound once: ``_TensorSlots`` lists every (module, name)
 holding a parameter or buffer, each module once however many names it has,
 with the name ``named_parameters()`` gives the tensor (a tied weight has
-one). torch.func.functional_call bound the tensors of a submodule shared by
+one), found at each call in the module as it is then (a submodule replaced
+after ``jaxify_module`` runs on ``params`` too). torch.func.functional_call bound the tensors of a submodule shared by
 two parents once per name, and its second swap saved the first one's tensor
 as "the module's": the module was left holding a call's input (a view of an
 XLA buffer) or a trace's fake tensor for good.
