@@ -11,8 +11,7 @@ constants; each call uses them on the device the call runs on, copied there
 once per device and copied again only after the module changed them in place
 (their ``_version`` moved), and bound in the module for the length of the
 call (NOTE [binding tensors into a module]). The copy for the parameters'
-device is made when
-the module is jaxified: a graph-mode trace there then finds real tensors to
+device is made when the module is jaxified: a graph-mode trace there then finds real tensors to
 take in as constants (its own copies would be fake tensors, and the graph
 would copy the buffers on every replay). A call runs where its arrays are, so
 one module serves CPU and GPU calls alike.
@@ -25,10 +24,11 @@ own tensors are bound once: ``_TensorSlots`` lists every (module, name)
 holding a parameter or buffer, each module once however many names it has,
 with the name ``named_parameters()`` gives the tensor (a tied weight has
 one), found at each call in the module as it is then (a submodule replaced
-after ``jaxify_module`` runs on ``params`` too). torch.func.functional_call bound the tensors of a submodule shared by
-two parents once per name, and its second swap saved the first one's tensor
-as "the module's": the module was left holding a call's input (a view of an
-XLA buffer) or a trace's fake tensor for good.
+after ``jaxify_module`` runs on ``params`` too). torch.func.functional_call
+bound the tensors of a submodule shared by two parents once per name, and
+its second swap saved the first one's tensor as "the module's": the module
+was left holding a call's input (a view of an XLA buffer) or a trace's fake
+tensor for good.
 
 NOTE [one module, many threads]
 A call runs a module on the parameters it is given by binding them into
@@ -101,7 +101,9 @@ class _TensorSlots:
 
 
 @contextlib.contextmanager
-def _bound(slots: list[tuple[dict[str, Any], str, str]], tensors: Mapping[str, torch.Tensor] | None) -> Iterator[None]:
+def _bound(
+    slots: list[tuple[dict[str, Any], str, str]], tensors: Mapping[str, torch.Tensor] | None
+) -> Iterator[None]:
     """Within the block, each slot whose key ``tensors`` has holds
     ``tensors[key]``; what it held is put back after (nothing is bound when
     ``tensors`` is None)."""

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # private, as in rea
 class RandomOpsSeen(TorchDispatchMode):
     """Within the block, notes whether an op that draws random numbers ran
     (``seen``): shape inference learns so whether a function draws (NOTE
-    [derivatives replay the value's draws] in random_calls.py)."""
+    [derivatives replay the value's draws] in replayed_calls.py)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -76,6 +76,8 @@ def _undeclared_writes(func, args: tuple[Any, ...]) -> tuple[int, ...]:  # noqa:
     if written and not (len(args) > _TRAINING_ARGUMENT and args[_TRAINING_ARGUMENT]):
         return ()  # evaluation: the running statistics are read, not written
     return written
+
+
 # Ops whose schema says their result aliases the argument, but which hand a
 # tensor made from Python data to the dispatcher (``torch.tensor([...])``):
 # a tensor the call made, not one it keeps.

@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -83,7 +84,6 @@ from .state_writes import (
     ReplayedBindings,
     StateWrites,
     WritesPutBack,
-    bound,
     module_slots_entered,
     pack,
     unpack,
@@ -150,9 +150,14 @@ def _generator(inputs: Sequence[torch.Tensor]) -> torch.Generator:
     return torch.default_generator
 
 
+def _token_pieces(seen: Effects) -> list[int]:
+    """The size in bytes of each piece of the token, in order: the generator
+    state (if the function draws), then the value of every slot written."""
+    return [STATE_BYTES] * seen.draws_random + seen.writes.slot_bytes()
+
+
 def _token_aval(seen: Effects) -> Aval:
-    """The token's: the generator state (if the function draws), then the bytes of every slot written."""
-    return Aval(((STATE_BYTES if seen.draws_random else 0) + sum(seen.writes.slot_bytes()),), np.dtype(np.uint8))
+    return Aval((sum(_token_pieces(seen)),), np.dtype(np.uint8))
 
 
 def _variant(
@@ -244,12 +249,12 @@ def variants(base: BaseFn) -> list[BaseFn]:
 def _keeping(base: BaseFn, seen: Effects) -> BaseFn:
     fn = base.fn
     writes = seen.writes
-    sizes = writes.slot_bytes()
-    first = int(seen.draws_random)  # the generator state comes first in the token
+    sizes = _token_pieces(seen)
+    first = int(seen.draws_random)  # the piece of the first slot
 
     def keeping(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         device = inputs[0].device if inputs else torch.device("cpu")
-        pieces: list[torch.Tensor | None] = [None] * (first + len(sizes))
+        pieces: list[torch.Tensor | None] = [None] * len(sizes)
         if seen.draws_random:
             with outside_transforms():  # bytes, whatever transforms this call runs under
                 state = _generator(inputs).get_state()
@@ -258,16 +263,14 @@ def _keeping(base: BaseFn, seen: Effects) -> BaseFn:
         for slot, tensor in enumerate(writes.closed_over):
             pieces[first + slot] = pack(tensor)
 
-        def starts(slot: int, module: torch.nn.Module, name: str) -> None:  # before anything under it updates it
-            found = bound(module, name)
-            if pieces[first + slot] is None and isinstance(found, torch.Tensor):
-                if (found.shape, found.dtype) == writes.layouts[slot]:
-                    pieces[first + slot] = pack(found)
+        def starts(slot: int, module: torch.nn.Module, name: str, found: torch.Tensor) -> None:
+            if pieces[first + slot] is None:  # before anything under the forward updates it
+                pieces[first + slot] = pack(found)
 
         with module_slots_entered(writes, starts):
             outputs = fn(*inputs)
         with outside_transforms():
-            for at, size in enumerate([STATE_BYTES] * first + sizes):
+            for at, size in enumerate(sizes):
                 piece = pieces[at]  # None: a slot whose module did not run (never replayed)
                 pieces[at] = torch.zeros(size, dtype=torch.uint8, device=device) if piece is None else piece.to(device)
             token = torch.cat(pieces)
@@ -289,9 +292,8 @@ def _keeping(base: BaseFn, seen: Effects) -> BaseFn:
 def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
     fn = base.fn
     writes = seen.writes
-    offsets = [STATE_BYTES if seen.draws_random else 0]
-    for size in writes.slot_bytes():
-        offsets.append(offsets[-1] + size)
+    # Where each slot's bytes start in the token (and where the last ends).
+    offsets = list(itertools.accumulate(_token_pieces(seen), initial=0))[int(seen.draws_random) :]
 
     def replaying(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         *args, token = inputs
@@ -310,7 +312,7 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
 
         for slot, tensor in enumerate(writes.closed_over):
             unpack_into(tensor, plain[offsets[slot] : offsets[slot + 1]])
-        bindings = ReplayedBindings(writes, value_of)
+        bindings = ReplayedBindings(value_of)
         with module_slots_entered(writes, bindings.starts, bindings.ends):
             if not seen.draws_random:
                 return fn(*args)

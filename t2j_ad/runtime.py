@@ -503,14 +503,7 @@ class _RunnerWithEffects(_Runner):
 
     def __init__(self, fun: TorchFn) -> None:
         super().__init__(fun)
-        base = fun.base
-        derivative = any(not isinstance(t, Vmap) for t in fun.transforms)
-        self.checks_flags = bool(base.effects is not None and base.effects.modes) and (
-            derivative or base.call_effects is not None
-        )
-        # Only value calls: a derivative may hold the forward-mode lock, which
-        # a trace on another thread takes before the trial-run lock.
-        self.holds_off_trial_runs = not derivative and bool(base.effects and base.effects.writes)
+        self.checks_flags, self.holds_off_trial_runs = _effect_duties(fun)
 
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
         if self.checks_flags and not effects_now(self.base).same_as(traced_for(self.base)):
@@ -526,13 +519,21 @@ class _RunnerWithEffects(_Runner):
                 super().__call__(inputs, outputs, stream)
 
 
-def _runner_class(fun: TorchFn) -> type[_Runner]:
-    """``_RunnerWithEffects`` where one of its duties applies, else the plain runner."""
+def _effect_duties(fun: TorchFn) -> tuple[bool, bool]:
+    """Whether a call of ``fun`` checks the modules' training flags, and
+    whether it holds off trial runs (``_RunnerWithEffects``)."""
     base, effects = fun.base, fun.base.effects
     derivative = any(not isinstance(t, Vmap) for t in fun.transforms)
-    if base.call_effects is not None:
-        return _RunnerWithEffects
-    if effects is not None and ((derivative and effects.modes) or (not derivative and effects.writes)):
+    checks_flags = bool(effects is not None and effects.modes) and (derivative or base.call_effects is not None)
+    # Only value calls: a derivative may hold the forward-mode lock, which
+    # a trace on another thread takes before the trial-run lock.
+    holds_off_trial_runs = not derivative and bool(effects and effects.writes)
+    return checks_flags, holds_off_trial_runs
+
+
+def _runner_class(fun: TorchFn) -> type[_Runner]:
+    """``_RunnerWithEffects`` where one of its duties applies, else the plain runner."""
+    if fun.base.call_effects is not None or any(_effect_duties(fun)):
         return _RunnerWithEffects
     return _Runner
 

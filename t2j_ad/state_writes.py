@@ -86,12 +86,10 @@ class StateWrites:
 
     def same_slots(self, other: StateWrites) -> bool:
         """Whether ``other`` names the same slots."""
-        return self.closed_over_ids() == other.closed_over_ids() and [
-            (id(m), n) for m, n in self.in_modules
-        ] == [(id(m), n) for m, n in other.in_modules]
+        return self._slot_ids() == other._slot_ids()
 
-    def closed_over_ids(self) -> list[int]:
-        return [id(t) for t in self.closed_over]
+    def _slot_ids(self) -> tuple[list[int], list[tuple[int, str]]]:
+        return [id(t) for t in self.closed_over], [(id(m), n) for m, n in self.in_modules]
 
     def slot_bytes(self) -> list[int]:
         """The size of each slot's value, in bytes."""
@@ -118,21 +116,17 @@ def _table(module: torch.nn.Module, name: str) -> dict[str, object] | None:
     return None
 
 
-def bound(module: torch.nn.Module, name: str) -> object:
-    """What ``module`` binds to ``name`` now (None if nothing)."""
-    table = _table(module, name)
-    return None if table is None else table[name]
-
-
 @contextlib.contextmanager
 def module_slots_entered(
     writes: StateWrites,
-    starts: Callable[[int, torch.nn.Module, str], None],
+    starts: Callable[[int, torch.nn.Module, str, torch.Tensor], None],
     ends: Callable[[int, torch.nn.Module, str], None] | None = None,
 ) -> Iterator[None]:
-    """Within the block, call ``starts(slot, module, name)`` for each module
-    slot of ``writes`` when the outermost module ``forward`` holding it (its
-    module or one above) starts on this thread, and ``ends`` with the same
+    """Within the block, call ``starts(slot, module, name, tensor)`` for each
+    module slot of ``writes`` when the outermost module ``forward`` holding
+    it (its module or one above) starts on this thread, with the tensor the
+    module binds there, if it has the layout inference saw (else it is not
+    that state: no call); and ``ends(slot, module, name)`` for each slot
     when that ``forward`` ends."""
     if not writes.in_modules:
         yield
@@ -153,7 +147,10 @@ def module_slots_entered(
         held = [entry for sub in module.modules() for entry in by_module.get(id(sub), ())]
         running.append((module, held))
         for slot, owner, name in held:
-            starts(slot, owner, name)
+            table = _table(owner, name)
+            tensor = None if table is None else table[name]
+            if isinstance(tensor, torch.Tensor) and (tensor.shape, tensor.dtype) == writes.layouts[slot]:
+                starts(slot, owner, name, tensor)
 
     def post(module: torch.nn.Module, args: object, output: object) -> None:
         if threading.get_ident() != thread or not running:
@@ -178,21 +175,16 @@ class ReplayedBindings:
     then whatever the forward left there), and bound back after it (NOTE
     [derivatives do not write again])."""
 
-    def __init__(self, writes: StateWrites, value_of: Callable[[int], torch.Tensor]) -> None:
-        self._writes = writes
+    def __init__(self, value_of: Callable[[int], torch.Tensor]) -> None:
         self._value_of = value_of  # slot -> a new tensor holding the token's value
         self._state: dict[int, object] = {}  # slot -> the replay's tensor now
         self._found: dict[int, object] = {}  # slot -> what the module bound when the forward started
 
-    def starts(self, slot: int, module: torch.nn.Module, name: str) -> None:
-        table = _table(module, name)
-        if table is None or slot in self._found:
+    def starts(self, slot: int, module: torch.nn.Module, name: str, found: torch.Tensor) -> None:
+        if slot in self._found:
             return
-        found = table[name]
-        if not isinstance(found, torch.Tensor) or (found.shape, found.dtype) != self._writes.layouts[slot]:
-            return  # not the state inference saw
         self._found[slot] = found
-        table[name] = self._state[slot] if slot in self._state else self._value_of(slot)
+        _table(module, name)[name] = self._state[slot] if slot in self._state else self._value_of(slot)
         _bound_by_replays.add((id(module), name))
 
     def ends(self, slot: int, module: torch.nn.Module, name: str) -> None:

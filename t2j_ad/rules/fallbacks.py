@@ -64,7 +64,7 @@ _INNER_AUTOGRAD = "inside of a function being transformed by a functorch transfo
 # state_writes.py): torch.func refuses it; plain autograd runs it as
 # PyTorch's own backward does, and the call puts the tensor back. In a
 # derivative call of the function itself the write went unseen by its
-# trial run, and the call is refused (``_unseen_write``).
+# trial run, and the call is refused (``_refuse_unseen_write``).
 _CAPTURED_WRITE = "that would mutate a captured Tensor"
 _CAPTURED_WRITE_ADVICE = (
     " (The function writes in place into a tensor it closes over, e.g. BatchNorm's running statistics in "
@@ -96,18 +96,20 @@ _FUNCTORCH_REFUSALS = {
 }
 
 
-def _unseen_write(base: Any, err: BaseException) -> RuntimeError:
-    """The error for a derivative call of a function found writing state that
-    its trial run did not see it write (NOTE [derivatives do not write
-    again] in state_writes.py)."""
-    return RuntimeError(
+def _refuse_unseen_write(base: Any, err: BaseException) -> None:
+    """Raise if ``err`` is a write into a captured tensor by a derivative
+    call of the function itself, not of a replay: a write its trial run did
+    not see (NOTE [derivatives do not write again] in state_writes.py)."""
+    if _CAPTURED_WRITE not in str(err) or getattr(base, "replays", False):
+        return
+    raise RuntimeError(
         f"{base.name} writes in place into a tensor it keeps between calls ({_first_line(err)}), but the run "
         f"that inferred its output shapes did not see that write: it depends on the input's values (that run "
         f"is on zeros), the function was given output_shapes=, or it ran with other training flags when "
         f"jax.jit traced it. Its derivative would write the state a second time, and start from the state its "
         f"value call left. Make the write unconditional (torch.where(cond, update, 0)), leave output_shapes "
         f"out, or trace again after module.train() (a new jax.jit, or jax.clear_caches())."
-    )
+    ) from err
 
 
 def _refused(err: BaseException, needles: Iterable[str]) -> bool:
@@ -211,8 +213,7 @@ def reverse_mode(
         except (RuntimeError, NotImplementedError) as err:
             if not _refused(err, _FUNCTORCH_REFUSALS):
                 raise
-            if _CAPTURED_WRITE in str(err) and not getattr(base, "replays", False):
-                raise _unseen_write(base, err) from err
+            _refuse_unseen_write(base, err)
             decided[("vjp", key)] = "autograd"
             warn_once(
                 base,
@@ -263,8 +264,7 @@ def forward_mode(
         except (RuntimeError, NotImplementedError) as err:
             if not _refused(err, _FORWARD_REFUSALS):
                 raise
-            if _CAPTURED_WRITE in str(err) and not getattr(base, "replays", False):
-                raise _unseen_write(base, err) from err
+            _refuse_unseen_write(base, err)
             decided[("jvp", key)] = "double_vjp"
             advice = _advice(err, _FORWARD_REFUSALS)
             warn_once(
