@@ -136,6 +136,7 @@ step bench-call-latency 600 "${BENCH[@]}" benchmarks/bench_call_latency.py --lar
 step bench-per-example-grads 600 "${BENCH[@]}" benchmarks/bench_per_example_grads.py --threads 1 --repeats 5
 step bench-hessian 600 "${BENCH[@]}" benchmarks/bench_hessian.py --threads 1 --repeats 5
 step bench-training-step 600 "${BENCH[@]}" benchmarks/bench_training_step.py --threads 1 --repeats 5
+step bench-dropout 600 "${BENCH[@]}" benchmarks/bench_dropout.py --threads 1 --repeats 5
 step bench-soak 600 "${BENCH[@]}" benchmarks/bench_soak.py --calls 20000 --wrappers 1000 --warmup-wrappers 300 --reports 4
 step bench-registry-memory 600 "${BENCH[@]}" benchmarks/bench_registry_memory.py --calls 1000 --warmup-wrappers 300 --reports 4
 step bench-registry-memory-graph 600 "${BENCH[@]}" benchmarks/bench_registry_memory.py --compile graph \

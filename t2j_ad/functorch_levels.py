@@ -24,7 +24,9 @@ What ``torch.func`` does around the levels, and kept here:
   zeros (``_autograd_grad``). The gradient is taken inside the level with
   ``create_graph=True``, as ``torch.func.grad`` does, so outer levels
   (``jvp`` for Hessians, an outer ``vjp``) can differentiate it.
-- ``vmap``: ``randomness="error"``, batch dimensions added to the batched
+- ``vmap``: ``randomness="error"`` unless the caller asks for ``"same"`` (a
+  replay over tangents: NOTE [derivatives replay the value's draws] in
+  replayed_calls.py), batch dimensions added to the batched
   inputs only (unbatched ones are captured, never copied), and every output
   given its batch dimension at 0 (an output that does not depend on the batch
   is expanded, as ``torch.vmap`` does).
@@ -94,24 +96,29 @@ _HOOKS_REFUSED = (
 )
 
 
-def _public_vmap(fn: Flat, args: Sequence[torch.Tensor], in_dims: tuple[int | None, ...]) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.vmap(fn, in_dims=in_dims, out_dims=0)(*args))
+def _public_vmap(
+    fn: Flat, args: Sequence[torch.Tensor], in_dims: tuple[int | None, ...], randomness: str
+) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.vmap(fn, in_dims=in_dims, out_dims=0, randomness=randomness)(*args))
 
 
-def vmap(fn: Flat, args: Sequence[torch.Tensor], in_dims: tuple[int | None, ...], size: int) -> tuple[torch.Tensor, ...]:
-    """``torch.vmap(fn, in_dims, out_dims=0)(*args)``; ``size`` is the batch size.
+def vmap(
+    fn: Flat, args: Sequence[torch.Tensor], in_dims: tuple[int | None, ...], size: int, randomness: str = "error"
+) -> tuple[torch.Tensor, ...]:
+    """``torch.vmap(fn, in_dims, out_dims=0, randomness=randomness)(*args)``;
+    ``size`` is the batch size.
 
     ``in_dims`` are nonnegative, and at least one is not None.
     """
     if FAST and not _inference_mode():
-        return _direct_vmap(fn, args, in_dims, size)
-    return _public_vmap(fn, args, in_dims)
+        return _direct_vmap(fn, args, in_dims, size, randomness)
+    return _public_vmap(fn, args, in_dims, randomness)
 
 
 def _direct_vmap(
-    fn: Flat, args: Sequence[torch.Tensor], in_dims: tuple[int | None, ...], size: int
+    fn: Flat, args: Sequence[torch.Tensor], in_dims: tuple[int | None, ...], size: int, randomness: str = "error"
 ) -> tuple[torch.Tensor, ...]:
-    level = _vmap_increment_nesting(size, "error")
+    level = _vmap_increment_nesting(size, randomness)
     try:
         batched = [a if d is None else _add_batch_dim(a, d, level) for a, d in zip(args, in_dims)]
         outs = fn(*batched)

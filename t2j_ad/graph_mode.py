@@ -36,8 +36,11 @@ gone from the graph: what is left is the aten ops they issued.
 - Randomness: the graph replays the aten random ops the eager call would run,
   on PyTorch's global generator, so a seeded run draws the same numbers in
   both modes; inductor is told to keep those ops (``fallback_random``).
-  Under ``torch.vmap`` random ops are refused in every mode
-  (``randomness="error"``), so ``vmap_method="auto"`` loops.
+  Under ``torch.vmap`` over examples random ops are refused in every mode
+  (``randomness="error"``), so ``vmap_method="auto"`` loops. The
+  derivatives of a random function replay its value's draws with the
+  generator set around the graph (NOTE [the generator around a graph] in
+  replayed_calls.py).
 - Constants the function closes over (a module's buffers) are held by
   reference, as in eager: in-place updates to them are seen. A trace that
   reads their values into Python is refused (NOTE [values a graph would

@@ -40,15 +40,39 @@ any, and keeps the old behaviour), and of the function batched by
 The token ties every derivative call to the value call: JAX cannot leave the
 value call out (``jax.grad`` of a loss linear in the outputs needs no value
 under ``jax.jit``), and runs it first. The JVP rule of ``keeping`` itself (an
-outer derivative over the value call) maps back to the same pair. A function
-that draws runs both eagerly in every compile mode, with one
-``FallbackWarning`` in graph mode: a graph would keep the generator state it
-read while tracing; one that only writes keeps its graphs. Batched
+outer derivative over the value call) maps back to the same pair. In graph
+mode both keep their graphs (NOTE [the generator around a graph]). Batched
 (``jax.vmap``), the token is batched too, one per example, in the loop that
-random ops and running statistics need under ``jax.vmap``. Calls of either
+random ops and running statistics need under ``jax.vmap``. Batched over
+tangents alone (a Jacobian or a Hessian: the token unbatched), a replay runs
+under ``torch.vmap`` with ``randomness="same"``: it draws the value's numbers
+once for every tangent, as each tangent's own replay would. Calls of either
 kind hold one process-wide lock: a replaying call sets the generator every
 thread draws from, and puts back tensors another thread's value call would
 write meanwhile (a pmap over CPU devices).
+
+NOTE [the generator around a graph]
+A graph (``compile="graph"`` or ``"inductor"``) replays the aten ops the
+trace recorded, random ones included, which draw from PyTorch's generator
+as it is when the graph runs; Python that reads or sets the generator runs
+once, at trace time, and the graph would keep what it read then. So for a
+call that runs the function once (a plain ``keeping`` call, a replay whose
+token no ``jax.vmap`` batches), the runner itself reads the generator state
+before the call and writes it into the token the call returned (``keeping``),
+or sets the generator from the token before the call and back after it
+(``replaying``): ``GeneratorAround``, around each call, eager or graph. The
+function then leaves the generator alone on its first run within one pass
+of the derived function (one eager run, one trace: ``GeneratorAround.passes``
+counts them). A second run within a pass (a loop over tangents that
+``torch.vmap`` refused, or ``vmap_method="sequential"``) sets the generator
+from the token itself, as in eager mode; a trace that meets one fails, so
+that derived function runs eagerly with a ``FallbackWarning``, since an
+unrolled loop would draw on where each run must start again. A call that
+runs the function once per example (its token batched by ``jax.vmap``: each
+example replays its own value's draws) sets the generator itself for each
+example, and runs eagerly in every compile mode, said once by a
+``FallbackWarning`` (``draws_per_example``). On a GPU such graphs run without
+CUDA-graph capture, whose replays the runner could not wrap.
 
 NOTE [a value call runs once]
 ``jax.checkpoint`` (remat) runs the forward pass again in the backward pass
@@ -76,6 +100,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .functorch_levels import outside_transforms, unbatched_value
 from .module_modes import ModuleModes, modes_hold
@@ -89,13 +114,17 @@ from .state_writes import (
     unpack,
     unpack_into,
 )
-from .torch_fn import Aval, BaseFn
+from .torch_fn import Aval, BaseFn, TorchFn, Vmap
 
 # The CPU generator's state (mt19937), the largest a generator has.
 STATE_BYTES = int(torch.default_generator.get_state().numel())
 # Held by every keeping and replaying call (NOTE [derivatives replay the
 # value's draws]); reentrant, for a call that reaches another on its thread.
 _effects_lock = threading.RLock()
+# Per thread: the key of the variant whose runner read or set the generator
+# around the pass running now, and how often the function has run in it
+# (NOTE [the generator around a graph]).
+_pass = threading.local()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -171,9 +200,11 @@ def _variant(
     torch_out_dtypes: tuple[Any, ...],
     put_back: WritesPutBack | None,
     replays: bool,
+    key: object,
 ) -> BaseFn:
     """A function of ``base``'s root with the effects ``seen``; its calls hold
-    the lock and, with ``put_back``, put back what they wrote."""
+    the lock and, with ``put_back``, put back what they wrote. ``key`` tells
+    ``fn`` that its runner handles the generator (``_first_run_in_pass``)."""
     variant = BaseFn(
         fn,
         name=base.name,
@@ -188,11 +219,11 @@ def _variant(
         mutation_checked=base.mutation_checked,
         inferred_on=base.inferred_on,
         autograd_vjp=base.autograd_vjp,
-        # A graph would keep the generator state it read while tracing.
-        compile="eager" if seen.draws_random else base.compile,
+        compile=base.compile,
     )
     variant.effects_root = base  # type: ignore[attr-defined]
     variant.replays = replays  # type: ignore[attr-defined]
+    variant.generator_key = key  # type: ignore[attr-defined]
     variant.effects = seen
     variant.find_effects = base.find_effects
 
@@ -251,15 +282,17 @@ def _keeping(base: BaseFn, seen: Effects) -> BaseFn:
     writes = seen.writes
     sizes = _token_pieces(seen)
     first = int(seen.draws_random)  # the piece of the first slot
+    key = object()
 
     def keeping(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         device = inputs[0].device if inputs else torch.device("cpu")
         pieces: list[torch.Tensor | None] = [None] * len(sizes)
         if seen.draws_random:
             with outside_transforms():  # bytes, whatever transforms this call runs under
-                state = _generator(inputs).get_state()
                 pieces[0] = torch.zeros(STATE_BYTES, dtype=torch.uint8)
-                pieces[0][: state.numel()] = state
+                if not _first_run_in_pass(key):  # else the runner writes the state in
+                    state = _generator(inputs).get_state()
+                    pieces[0][: state.numel()] = state
         for slot, tensor in enumerate(writes.closed_over):
             pieces[first + slot] = pack(tensor)
 
@@ -286,6 +319,7 @@ def _keeping(base: BaseFn, seen: Effects) -> BaseFn:
         torch_out_dtypes=base.torch_out_dtypes + (torch.uint8,),
         put_back=None,
         replays=False,
+        key=key,
     )
 
 
@@ -294,6 +328,7 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
     writes = seen.writes
     # Where each slot's bytes start in the token (and where the last ends).
     offsets = list(itertools.accumulate(_token_pieces(seen), initial=0))[int(seen.draws_random) :]
+    key = object()
 
     def replaying(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         *args, token = inputs
@@ -314,8 +349,14 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
             unpack_into(tensor, plain[offsets[slot] : offsets[slot + 1]])
         bindings = ReplayedBindings(value_of)
         with module_slots_entered(writes, bindings.starts, bindings.ends):
-            if not seen.draws_random:
+            if not seen.draws_random or _first_run_in_pass(key):  # else the runner set the generator
                 return fn(*args)
+            if isinstance(plain, FakeTensor):
+                raise RuntimeError(
+                    f"{base.name} runs more than once in one call (a loop over tangents or examples), and each "
+                    f"run replays the value call's random draws by setting PyTorch's generator, which a graph "
+                    f"cannot do between runs"
+                )
             generator = _generator(args)
             now = generator.get_state()
             with outside_transforms():  # a slice and a copy: plain tensors inside transforms too
@@ -337,4 +378,87 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
         torch_out_dtypes=base.torch_out_dtypes,
         put_back=WritesPutBack(writes) if writes.closed_over else None,
         replays=True,
+        key=key,
+    )
+
+
+def _first_run_in_pass(key: object) -> bool:
+    """Whether the runner of the variant with ``key`` handles the generator
+    around the pass running now, and this is the function's first run in it
+    (NOTE [the generator around a graph])."""
+    if getattr(_pass, "key", None) is not key:
+        return False
+    _pass.runs += 1
+    return _pass.runs == 1
+
+
+class GeneratorAround:
+    """The generator handled by the runner of a call that runs a variant's
+    function once (NOTE [the generator around a graph]): for a replay, set
+    from the token input at ``token`` before the call and put back after it;
+    for a value call (``token`` None), read before the call and written into
+    the token, its last output, after it."""
+
+    def __init__(self, key: object, token: int | None):
+        self.key = key
+        self.token = token
+
+    def passes(self, impl: Callable[..., Any]) -> Callable[..., Any]:
+        """``impl``, telling the function its first run in each pass that the
+        runner handles the generator."""
+        key = self.key
+
+        def one_pass(*inputs: torch.Tensor) -> Any:
+            outer = getattr(_pass, "key", None), getattr(_pass, "runs", 0)
+            _pass.key, _pass.runs = key, 0
+            try:
+                return impl(*inputs)
+            finally:
+                _pass.key, _pass.runs = outer
+
+        return one_pass
+
+    @contextlib.contextmanager
+    def around(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Around one call, on the stream it runs on (the token may be
+        written by the work queued before it)."""
+        generator = _generator(inputs)
+        now = generator.get_state()
+        if self.token is None:
+            yield
+            outputs[-1][: now.numel()].copy_(now)
+            return
+        # A fresh CPU copy: set_state reads a tensor with a storage offset from the wrong place.
+        generator.set_state(inputs[self.token][: now.numel()].to("cpu", copy=True))
+        try:
+            yield
+        finally:
+            generator.set_state(now)
+
+
+def generator_around(fun: TorchFn) -> GeneratorAround | None:
+    """How ``fun``'s runner handles the generator around each call, if it
+    does: ``fun`` is a plain call of a ``keeping`` function that draws, or a
+    call of a ``replaying`` one whose token no ``jax.vmap`` batches (NOTE
+    [the generator around a graph])."""
+    base = fun.base
+    if getattr(base, "effects_root", None) is None or not base.effects.draws_random:
+        return None
+    if not base.replays:
+        return None if fun.transforms else GeneratorAround(base.generator_key, None)
+    token = len(base.in_avals) - 1  # ahead of the tangents and cotangents transforms append
+    if any(isinstance(t, Vmap) and t.in_dims[token] is not None for t in fun.transforms):
+        return None
+    return GeneratorAround(base.generator_key, token)
+
+
+def draws_per_example(fun: TorchFn) -> bool:
+    """Whether ``fun`` runs a variant that draws once per example of a
+    ``jax.vmap``, setting or reading the generator itself for each (NOTE
+    [the generator around a graph]): it runs eagerly."""
+    base = fun.base
+    return (
+        getattr(base, "effects_root", None) is not None
+        and base.effects.draws_random
+        and generator_around(fun) is None
     )

@@ -23,9 +23,10 @@ from .cuda_streams import external_stream, run_on_stream
 from .malloc_tuning import tune_malloc
 from .module_modes import ModuleModes, modes_hold
 from .real_writes import one_trial_run
-from .replayed_calls import effects_now, traced_for
+from .replayed_calls import GeneratorAround, draws_per_example, effects_now, generator_around, traced_for
+from .rules.fallbacks import warn_once
 from .torch_fn import Jvp, TorchFn, Vmap
-from .transforms import build
+from .transforms import Flat, build
 
 
 class TorchCallError(RuntimeError):
@@ -161,8 +162,8 @@ class _Runner:
         self.name = fun.name
         self.base = fun.base
         self.transforms = fun.transforms
-        self.impl = build(fun)
-        self.compile = fun.base.compile
+        self.impl = self._built(fun)
+        self.compile = self._compile_mode(fun)
         # No graph for a plain call. A transformed one runs with grad mode on:
         # torch.func.jvp over torch.func.vjp under no_grad silently drops the
         # tangents of tensors the vjp saved (jvp-of-vjp of linalg.solve came
@@ -213,6 +214,17 @@ class _Runner:
         if self.compile != "eager" and self.other_devices:
             self._unused = copy.copy(self)  # copied while its per_device is None
             self.per_device = {}
+
+    # Whether a compiled call on a GPU may be captured as a CUDA graph.
+    captures_cuda_graphs = True
+
+    def _built(self, fun: TorchFn) -> Flat:
+        """The PyTorch callable of ``fun`` (transforms.build)."""
+        return build(fun)
+
+    def _compile_mode(self, fun: TorchFn) -> str:
+        """How ``fun`` runs: its function's compile mode."""
+        return fun.base.compile
 
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
         # The hot path of every call (microseconds matter: see
@@ -353,7 +365,7 @@ class _Runner:
             graph_mode.announce_fallback(self.base, self.name, self.compile, self.transforms, artifact)
             return results
         self.call = artifact.run
-        self.cuda_graph = artifact.cuda_graph
+        self.cuda_graph = artifact.cuda_graph if self.captures_cuda_graphs else None
         if artifact.run_into is not None:
             self.into_artifact, self.call_into = artifact, self._first_call_into
         # The graph holds every derivative explicitly: no autograd at replay,
@@ -499,11 +511,38 @@ class _RunnerWithEffects(_Runner):
       they end and would undo this call's updates.
     - A keeping or replaying call holds the lock of such calls and puts
       back what it writes (``BaseFn.call_effects``), around the whole call.
+    - A keeping or replaying call that runs the function once reads or sets
+      the generator around the call, on the stream it runs on, so that it
+      may run a graph; one that runs it once per example of a ``jax.vmap``
+      runs eagerly (NOTE [the generator around a graph] in replayed_calls.py).
     """
 
     def __init__(self, fun: TorchFn) -> None:
-        super().__init__(fun)
+        # Set before the base class copies this runner for other devices.
         self.checks_flags, self.holds_off_trial_runs = _effect_duties(fun)
+        self.generator: GeneratorAround | None = generator_around(fun)
+        self.captures_cuda_graphs = self.generator is None
+        super().__init__(fun)
+
+    def _built(self, fun: TorchFn) -> Flat:
+        impl = build(fun)
+        return impl if self.generator is None else self.generator.passes(impl)
+
+    def _compile_mode(self, fun: TorchFn) -> str:
+        mode = fun.base.compile
+        if mode != "eager" and draws_per_example(fun):
+            root = fun.base.effects_root
+            warn_once(
+                root,
+                ("random per example", mode),
+                f"t2j_ad: compile={mode!r}: the calls of {root.name!r} batched by jax.vmap around its derivatives "
+                f"(per-example gradients) run eagerly: it draws random numbers, and each example replays its own "
+                f"value's draws by setting PyTorch's generator, which a graph cannot do between examples. "
+                f"Results are exact; only speed differs. Pass the randomness in as an input (a dropout mask) to "
+                f"keep the graph.",
+            )
+            return "eager"
+        return mode
 
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
         if self.checks_flags and not effects_now(self.base).same_as(traced_for(self.base)):
@@ -514,9 +553,12 @@ class _RunnerWithEffects(_Runner):
                 f"Trace again after changing the mode: call a new jax.jit of it, or jax.clear_caches()."
             )
         call_effects = self.base.call_effects
+        # On a GPU, the generator is handled in the nested call on XLA's stream.
+        generator = self.generator if not stream else None
         with one_trial_run() if self.holds_off_trial_runs else contextlib.nullcontext():
             with call_effects() if call_effects is not None else contextlib.nullcontext():
-                super().__call__(inputs, outputs, stream)
+                with generator.around(inputs, outputs) if generator is not None else contextlib.nullcontext():
+                    super().__call__(inputs, outputs, stream)
 
 
 def _effect_duties(fun: TorchFn) -> tuple[bool, bool]:
@@ -533,7 +575,7 @@ def _effect_duties(fun: TorchFn) -> tuple[bool, bool]:
 
 def _runner_class(fun: TorchFn) -> type[_Runner]:
     """``_RunnerWithEffects`` where one of its duties applies, else the plain runner."""
-    if fun.base.call_effects is not None or any(_effect_duties(fun)):
+    if fun.base.call_effects is not None or any(_effect_duties(fun)):  # every keeping and replaying call
         return _RunnerWithEffects
     return _Runner
 

@@ -96,6 +96,13 @@ def _announce_loop_for_state(base: Any) -> None:
 
 def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], base: Any, prefix: Any) -> Flat:
     in_dims, size = t.in_dims, t.axis_size
+    # The token is the replay's last input of its own, ahead of any tangents
+    # and cotangents the transforms append.
+    token = len(base.in_avals) - 1 if getattr(base, "replays", False) else None
+    # A replay batched over tangents alone (the token unbatched: a Jacobian,
+    # a Hessian) draws the value call's numbers once for every tangent, as
+    # randomness="same" does (NOTE [derivatives replay the value's draws]).
+    randomness = "same" if token is not None and in_dims[token] is None else "error"
 
     def sequential(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if size == 0:
@@ -106,16 +113,18 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
 
     def expand_dims(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Unbatched arguments go in once with in_dims=None: never copied.
-        return functorch_levels.vmap(g, args, in_dims, size)
+        return functorch_levels.vmap(g, args, in_dims, size, randomness)
 
     def broadcast_all(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # A copy, not an expand() view: PyTorch formulas that write in place
         # (the jvp of prod under a nested vmap) refuse a tensor whose
         # elements share memory ("more than one element of the written-to
         # tensor refers to a single memory location").
-        full = [a.expand((size,) + tuple(a.shape)).clone() if d is None else a for a, d in zip(args, in_dims)]
-        dims = tuple(0 if d is None else d for d in in_dims)
-        return functorch_levels.vmap(g, full, dims, size)
+        # A replay's token stays as it is: one state, replayed for every tangent.
+        spread = [d is None and i != token for i, d in enumerate(in_dims)]
+        full = [a.expand((size,) + tuple(a.shape)).clone() if s else a for a, s in zip(args, spread)]
+        dims = tuple(0 if s else d for d, s in zip(in_dims, spread))
+        return functorch_levels.vmap(g, full, dims, size, randomness)
 
     def asked_for(vectorized: Flat) -> Flat:
         # The method the user chose: PyTorch's error, and what runs without torch.vmap.
@@ -163,9 +172,7 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
     def auto(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return vmap_auto(checked_expand_dims, sequential, args, base=base, key=prefix)
 
-    # The token is the replay's last input of its own, ahead of any tangents
-    # and cotangents the transforms append.
-    if getattr(base, "replays", False) and in_dims[len(base.in_avals) - 1] is not None:
+    if token is not None and in_dims[token] is not None:
         # A replay with one token per example (NOTE [derivatives replay the
         # value's draws]): torch.vmap cannot set a state per example. Over
         # tangents (the token unbatched) torch.vmap batches it.

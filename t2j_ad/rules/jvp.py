@@ -17,7 +17,6 @@ from typing import Any
 from ..primitive import torch_call
 from ..replayed_calls import Effects, effects, keeping_and_replaying
 from ..torch_fn import Jvp, TorchFn, Vmap
-from .fallbacks import warn_once
 
 
 def torch_call_jvp(
@@ -25,15 +24,6 @@ def torch_call_jvp(
 ) -> tuple[list[Any], list[Any | None]]:
     seen = effects(fun.base) if all(type(t) is Vmap for t in fun.transforms) else None
     if seen:
-        if seen.draws_random and fun.base.compile != "eager":
-            warn_once(
-                fun.base,
-                "random derivatives",
-                f"t2j_ad: compile={fun.base.compile!r}: the derivatives of {fun.base.name!r}, and the value call "
-                f"they start from, run eagerly: it draws random numbers, and its derivatives replay the value "
-                f"call's draws by setting PyTorch's generator, which a graph cannot do. Results are exact; only "
-                f"speed differs. Pass the randomness in as an input (a dropout mask) to keep the graph.",
-            )
         return _jvp_replaying(primals, tangents, fun, seen)
     return torch_call(primals, fun), _tangents(primals, tangents, fun)
 
