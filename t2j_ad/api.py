@@ -330,8 +330,8 @@ class JaxifiedFunction:
         """What ``compile="graph"``/``"inductor"`` made so far, over every input
         signature and transform stack: ``graphs`` (traced TorchFns, one per
         setting of the training flags of the modules they run),
-        ``eager_fallbacks`` (TorchFns that could not be traced and run
-        eagerly), ``trace_seconds`` and ``compile_seconds`` (inductor) spent."""
+        ``eager_fallbacks`` (TorchFns that run eagerly: their trace failed,
+        or they replay random draws once per example), ``trace_seconds`` and ``compile_seconds`` (inductor) spent."""
         bases = [b for entry in list(self._cache.values()) for b in (entry.base, *replayed_calls.variants(entry.base))]
         artifacts = [a for base in bases for a in graph_mode.artifacts(base)]
         return {

@@ -373,6 +373,13 @@ def artifact_for(
     return artifact, first
 
 
+def record_eager(base: Any, transforms: tuple[Any, ...], reason: str) -> None:
+    """Count one TorchFn of ``base`` that runs eagerly without a trace, for
+    ``reason`` (``compile_stats()``'s ``eager_fallbacks``)."""
+    cache: dict[Any, Artifact] = base.__dict__.setdefault("graphs", {})
+    cache.setdefault((transforms, "not traced", ()), Artifact(None, reason))
+
+
 def _holding(cache: dict[Any, Artifact], where: tuple[Any, Any]) -> Artifact | None:
     """The artifact cached for ``where`` (transforms, device) whose modules
     have the training flags they were traced with, if any."""

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .convert import torch_dtype
+from .dropout_layouts import LayoutDependentDraws
 from .module_modes import recording_module_modes
 from .random_state import RandomOpsSeen
 from .real_writes import trial_run
@@ -58,7 +59,8 @@ def _run(fn: Callable[..., Any], avals: Sequence[Aval], device: torch.device, na
     versions = [t._version for t in inputs]
     # NOTE [trial runs do not write to real tensors]
     with torch.no_grad(), recording_module_modes() as modes, trial_run() as run, RandomOpsSeen() as random_ops:
-        outputs = fn(*inputs)
+        with LayoutDependentDraws() as layouts:
+            outputs = fn(*inputs)
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
     if mutated:
         raise InputMutationError(
@@ -67,7 +69,7 @@ def _run(fn: Callable[..., Any], avals: Sequence[Aval], device: torch.device, na
             f"not write into their inputs (JAX arrays are immutable). Clone the "
             f"input first (x = x.clone()) or use the out-of-place op."
         )
-    return outputs, Effects(random_ops.seen, run.state_written(), modes.modes())
+    return outputs, Effects(random_ops.seen, run.state_written(), modes.modes(), random_ops.seen and layouts.seen)
 
 
 def devices_to_try(device: torch.device) -> list[torch.device]:

@@ -74,6 +74,18 @@ example, and runs eagerly in every compile mode, said once by a
 ``FallbackWarning`` (``draws_per_example``). On a GPU such graphs run without
 CUDA-graph capture, whose replays the runner could not wrap.
 
+NOTE [calls with effects under jax.jit]
+To JAX a call is pure, and XLA merges equal operations on equal operands
+and drops those whose results nobody uses. Under ``jax.jit`` two calls of a
+function that draws on the same inputs came back with the same numbers
+(``jax.value_and_grad`` of ``(d(x) * d(x)).sum()`` squared one mask, where
+PyTorch multiplies two), and a module in training mode called twice updated
+its running statistics once. So the custom call of a function that draws
+or keeps state is lowered as having side effects, which XLA neither merges
+nor reorders. JAX itself still drops, before lowering, a call none of whose
+outputs the jitted function uses (it draws and updates nothing then);
+without ``jax.jit`` every call runs.
+
 NOTE [a value call runs once]
 ``jax.checkpoint`` (remat) runs the forward pass again in the backward pass
 instead of saving its results. Run again, a value call drew new numbers and
@@ -102,6 +114,7 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .dropout_layouts import row_major_dropout
 from .functorch_levels import outside_transforms, unbatched_value
 from .module_modes import ModuleModes, modes_hold
 from .state_writes import (
@@ -136,6 +149,9 @@ class Effects:
     draws_random: bool
     writes: StateWrites
     modes: ModuleModes
+    # Whether it gives a dropout whose mask follows the input's layout an
+    # input not laid out row-major (NOTE [dropout masks follow the layout]).
+    draws_by_layout: bool = False
 
     def __bool__(self) -> bool:
         return self.draws_random or bool(self.writes)
@@ -143,7 +159,9 @@ class Effects:
     def same_as(self, other: Effects) -> bool:
         """Whether ``other`` draws and updates as this does (the same slots)."""
         return self is other or (
-            self.draws_random == other.draws_random and self.writes.same_slots(other.writes)
+            self.draws_random == other.draws_random
+            and self.draws_by_layout == other.draws_by_layout
+            and self.writes.same_slots(other.writes)
         )
 
 
@@ -169,6 +187,12 @@ def effects(base: BaseFn) -> Effects:
         if found is None:
             found = by_modes[key] = base.find_effects()
     return found
+
+
+def effects_held() -> threading.RLock:
+    """The lock every keeping and replaying call holds, and every plain call
+    of a function that draws (NOTE [lock order] in runtime.py)."""
+    return _effects_lock
 
 
 def _generator(inputs: Sequence[torch.Tensor]) -> torch.Generator:
@@ -265,6 +289,15 @@ def effects_now(base: BaseFn) -> Effects:
     return effects(getattr(base, "effects_root", base))
 
 
+def has_side_effects(fun: TorchFn) -> bool:
+    """Whether a call of ``fun`` draws random numbers or updates state it
+    keeps, so that XLA must neither merge two such calls on equal inputs
+    into one nor drop one whose results go unused (its lowering says so;
+    NOTE [calls with effects under jax.jit]). A replay draws and writes
+    nothing it does not put back."""
+    return not getattr(fun.base, "replays", False) and bool(effects_now(fun.base))
+
+
 def is_value_call(base: BaseFn) -> bool:
     """Whether ``base`` is a ``keeping`` function: a value call that makes
     the draws and writes its derivatives replay (NOTE [a value call runs
@@ -300,7 +333,7 @@ def _keeping(base: BaseFn, seen: Effects) -> BaseFn:
             if pieces[first + slot] is None:  # before anything under the forward updates it
                 pieces[first + slot] = pack(found)
 
-        with module_slots_entered(writes, starts):
+        with module_slots_entered(writes, starts), _mask_layouts(seen):
             outputs = fn(*inputs)
         with outside_transforms():
             for at, size in enumerate(sizes):
@@ -348,7 +381,7 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
         for slot, tensor in enumerate(writes.closed_over):
             unpack_into(tensor, plain[offsets[slot] : offsets[slot + 1]])
         bindings = ReplayedBindings(value_of)
-        with module_slots_entered(writes, bindings.starts, bindings.ends):
+        with module_slots_entered(writes, bindings.starts, bindings.ends), _mask_layouts(seen):
             if not seen.draws_random or _first_run_in_pass(key):  # else the runner set the generator
                 return fn(*args)
             if isinstance(plain, FakeTensor):
@@ -380,6 +413,13 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
         replays=True,
         key=key,
     )
+
+
+def _mask_layouts(seen: Effects) -> contextlib.AbstractContextManager[Any]:
+    """Where the function's dropouts lay their masks out by the input's
+    layout, a context that makes them row-major in the value call and every
+    replay alike (NOTE [dropout masks follow the layout])."""
+    return row_major_dropout() if seen.draws_by_layout else contextlib.nullcontext()
 
 
 def _first_run_in_pass(key: object) -> bool:

@@ -23,7 +23,14 @@ from .cuda_streams import external_stream, run_on_stream
 from .malloc_tuning import tune_malloc
 from .module_modes import ModuleModes, modes_hold
 from .real_writes import one_trial_run
-from .replayed_calls import GeneratorAround, draws_per_example, effects_now, generator_around, traced_for
+from .replayed_calls import (
+    GeneratorAround,
+    draws_per_example,
+    effects_held,
+    effects_now,
+    generator_around,
+    traced_for,
+)
 from .rules.fallbacks import warn_once
 from .torch_fn import Jvp, TorchFn, Vmap
 from .transforms import Flat, build
@@ -309,8 +316,10 @@ class _Runner:
             _set_grad_enabled(previous)
 
     def _serialized(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-        # NOTE [forward AD is process-wide]
-        with _forward_ad_lock:
+        # NOTE [forward AD is process-wide]; a call about to trace takes the
+        # trial-run lock its trace takes first (NOTE [lock order]).
+        tracing = self.call == self._first_compiled_call
+        with one_trial_run() if tracing else contextlib.nullcontext(), _forward_ad_lock:
             _forward_ad_held.held = True
             try:
                 self(inputs, outputs)
@@ -519,7 +528,7 @@ class _RunnerWithEffects(_Runner):
 
     def __init__(self, fun: TorchFn) -> None:
         # Set before the base class copies this runner for other devices.
-        self.checks_flags, self.holds_off_trial_runs = _effect_duties(fun)
+        self.checks_flags, self.holds_off_trial_runs, self.draws_alone = _effect_duties(fun)
         self.generator: GeneratorAround | None = generator_around(fun)
         self.captures_cuda_graphs = self.generator is None
         super().__init__(fun)
@@ -531,6 +540,7 @@ class _RunnerWithEffects(_Runner):
     def _compile_mode(self, fun: TorchFn) -> str:
         mode = fun.base.compile
         if mode != "eager" and draws_per_example(fun):
+            graph_mode.record_eager(fun.base, fun.transforms, "it draws random numbers once per example")
             root = fun.base.effects_root
             warn_once(
                 root,
@@ -555,22 +565,46 @@ class _RunnerWithEffects(_Runner):
         call_effects = self.base.call_effects
         # On a GPU, the generator is handled in the nested call on XLA's stream.
         generator = self.generator if not stream else None
+        if call_effects is None:
+            call_effects = effects_held if self.draws_alone else contextlib.nullcontext
         with one_trial_run() if self.holds_off_trial_runs else contextlib.nullcontext():
-            with call_effects() if call_effects is not None else contextlib.nullcontext():
+            with call_effects():
                 with generator.around(inputs, outputs) if generator is not None else contextlib.nullcontext():
                     super().__call__(inputs, outputs, stream)
 
 
-def _effect_duties(fun: TorchFn) -> tuple[bool, bool]:
-    """Whether a call of ``fun`` checks the modules' training flags, and
-    whether it holds off trial runs (``_RunnerWithEffects``)."""
+# NOTE [lock order]
+# A call may take four process-wide locks, always in this order: the
+# trial-run lock (real_writes.one_trial_run: NOTE [one trial run at a
+# time]), the lock of calls with effects (replayed_calls.effects_held:
+# NOTE [derivatives replay the value's draws]), the forward-AD lock (NOTE
+# [forward AD is process-wide]), then a module's own (NOTE [one module, many
+# threads]). A graph-mode trace takes the trial-run lock inside the call
+# that traces, so a call that takes either of the next two first takes the
+# trial-run lock: a keeping or replaying call, a plain call of a function
+# that draws, and a forward-mode call that is about to trace. Taken the
+# other way round, the first call of a random function's value in graph
+# mode (the effects lock, then the trace's trial-run lock) and a batch-norm
+# step on another thread (the trial-run lock, then the effects lock) each
+# waited for the other.
+
+
+def _effect_duties(fun: TorchFn) -> tuple[bool, bool, bool]:
+    """Whether a call of ``fun`` checks the modules' training flags, whether
+    it holds off trial runs, and whether it is a plain call of a function
+    that draws (``_RunnerWithEffects``)."""
     base, effects = fun.base, fun.base.effects
     derivative = any(not isinstance(t, Vmap) for t in fun.transforms)
-    checks_flags = bool(effects is not None and effects.modes) and (derivative or base.call_effects is not None)
-    # Only value calls: a derivative may hold the forward-mode lock, which
-    # a trace on another thread takes before the trial-run lock.
-    holds_off_trial_runs = not derivative and bool(effects and effects.writes)
-    return checks_flags, holds_off_trial_runs
+    variant = base.call_effects is not None  # a keeping or replaying call
+    checks_flags = bool(effects is not None and effects.modes) and (derivative or variant)
+    # Its draws must not fall between a value call's read of the generator
+    # and the value's own draws, nor within a replay (on another thread); a
+    # trial run, which puts the generator back, must not fall within its own.
+    draws_alone = not variant and bool(effects and effects.draws_random)
+    # A trial run on zeros would undo a value call's updates (NOTE [one trial
+    # run at a time]); and the trial-run lock comes first (NOTE [lock order]).
+    holds_off_trial_runs = (not derivative and bool(effects and effects.writes)) or variant or draws_alone
+    return checks_flags, holds_off_trial_runs, draws_alone
 
 
 def _runner_class(fun: TorchFn) -> type[_Runner]:

@@ -290,6 +290,32 @@ def test_old_style_function_jacfwd_hessian():
     assert len(messages) == 3, messages
 
 
+class OnceDifferentiableCube(torch.autograd.Function):
+    """Old style, with a backward that cannot be differentiated again."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 3 * x**2
+
+
+def test_forward_mode_through_a_once_differentiable_backward_is_refused_not_zero():
+    # The double-vjp trick differentiates the backward again; autograd found
+    # the cotangents unused and forward mode came out zero, silently.
+    f = t2j_ad.jaxify(lambda x: OnceDifferentiableCube.apply(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # torch.autograd.grad and the loop, announced
+        assert_tree_allclose(jax.jacrev(f)(X), jax.jacrev(lambda x: x**3)(X), rtol=1e-5)
+        with pytest.raises(Exception, match="once_differentiable"):
+            jax.block_until_ready(jax.jvp(f, (X,), (V,)))
+
+
 # ------------------------------------------------------- NumpySort/NumpyTake
 # From "Extending torch.func with autograd.Function", Example 1 with the vmap
 # staticmethods of "Defining the vmap staticmethod". (The guide's second

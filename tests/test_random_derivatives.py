@@ -9,6 +9,7 @@ leaves it.
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 
 import jax
@@ -149,6 +150,8 @@ def test_per_example_gradients_draw_one_mask_per_example(mode):
     fallbacks = [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
     assert any("torch.vmap refused" in m for m in fallbacks), fallbacks  # the loop, announced
     assert any("batched by jax.vmap" in m for m in fallbacks) == (mode == "graph"), fallbacks
+    if mode == "graph":  # the value calls and their derivative calls, batched
+        assert jf.compile_stats()["eager_fallbacks"] == 2, jf.compile_stats()
     rows = lambda: torch.stack([torch.func.grad(_square_loss(_dropout))(row) for row in to_torch(_X)])  # noqa: E731
     expected, expected_after = _seeded_run(rows)
     assert_tree_allclose(got, to_numpy(expected))
@@ -315,3 +318,95 @@ def test_a_training_step_with_dropout_and_batch_norm_matches_pytorchs(mode):
     if mode == "graph":
         stats = apply.jaxified.compile_stats()
         assert stats["eager_fallbacks"] == 0 and stats["graphs"] >= 2, stats
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda x: torch.nn.functional.dropout(x.t(), 0.5, training=True),
+        lambda x: torch.nn.functional.alpha_dropout(x.t(), 0.5, training=True),
+        lambda x: torch.nn.Dropout(0.5)(x.reshape(3, 2, 2).permute(2, 0, 1)),
+        lambda x: torch.nn.functional.dropout(x.t() * 1.0, 0.5, training=True, inplace=True),
+    ],
+    ids=["dropout_of_transpose", "alpha_dropout_of_transpose", "module_of_permute", "in_place_of_transpose"],
+)
+def test_dropout_of_an_input_not_laid_out_row_major_replays_its_mask(draw, mode):
+    # A plain dropout lays its mask out in the input's memory order, and the
+    # same dropout under torch.func in row-major order: from the same
+    # generator state the replay pulled the gradient back through another
+    # mask than the value's (NOTE [dropout masks follow the layout]).
+    jf = t2j_ad.jaxify(draw, compile=mode)
+    step = jax.jit(jax.value_and_grad(_square_loss(jf)))
+    jvp = jax.jit(lambda x: jax.jvp(jf, (x,), (x,)))
+    jax.block_until_ready((step(_X), jvp(_X)))
+    got, after = _seeded_run(lambda: step(_X))
+    expected, expected_after = _seeded_run(lambda: torch.func.grad_and_value(_square_loss(draw))(to_torch(_X))[::-1])
+    assert_tree_allclose(got, jax.tree_util.tree_map(to_numpy, expected), rtol=1e-5)
+    assert torch.equal(after, expected_after)
+    (y, ty), _ = _seeded_run(lambda: jvp(_X))
+    # linear in x (alpha_dropout up to its constant), so the tangent is the value's mask applied to x
+    expected_tangent, _ = _seeded_run(lambda: torch.func.jvp(draw, (to_torch(_X),), (to_torch(_X),)))
+    assert_tree_allclose((y, ty), jax.tree_util.tree_map(to_numpy, expected_tangent), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_plain_random_calls_on_another_thread_do_not_split_a_value_from_its_gradient(mode):
+    # A plain call of a random function took no lock: its draws fell between
+    # a value call's read of the generator and the value's own draws, or
+    # within a replay, and the gradient came from another mask than the
+    # value (8 of 300 steps eagerly, 63 in graph mode). NOTE [lock order]
+    x = jnp.abs(jnp.linspace(0.5, 3.0, 4096))
+    jf = t2j_ad.jaxify(lambda x: torch.nn.functional.dropout(x, 0.5, training=True), compile=mode)
+    step = jax.jit(jax.value_and_grad(lambda x: (jf(x) ** 2).sum()))
+    noise = jax.jit(t2j_ad.jaxify(lambda x: x + torch.rand_like(x), compile=mode))
+    jax.block_until_ready((step(x), noise(x)))
+    stop = threading.Event()
+
+    def draw_meanwhile():
+        while not stop.is_set():
+            jax.block_until_ready(noise(x))
+
+    other = threading.Thread(target=draw_meanwhile)
+    other.start()
+    try:
+        split = 0
+        for _ in range(300):
+            value, grad = jax.block_until_ready(step(x))
+            mask = np.round(np.asarray(grad) / (8 * np.asarray(x)))  # loss = sum((2 m x)^2): grad = 8 m x
+            split += not np.isclose(float(value), 4 * float(np.sum(np.asarray(x) ** 2 * mask)), rtol=1e-5)
+    finally:
+        stop.set()
+        other.join()
+    assert split == 0
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_under_jit_two_calls_that_draw_or_update_are_not_merged(mode):
+    # XLA merged two calls on equal inputs into one: the same noise twice,
+    # and a training-mode module updated once for two calls (NOTE [calls
+    # with effects under jax.jit]).
+    noise = t2j_ad.jaxify(lambda x: x + torch.randn_like(x), compile=mode)
+    twice = jax.jit(lambda x: (noise(x), noise(x)))
+    jax.block_until_ready(twice(_X))
+    (a, b), after = _seeded_run(lambda: twice(_X))
+    torch.manual_seed(0)
+    first, second = (to_torch(_X) + torch.randn_like(to_torch(_X)) for _ in range(2))
+    assert_tree_allclose((a, b), (to_numpy(first), to_numpy(second)), rtol=1e-6)
+    assert torch.equal(after, torch.rand(3, device=TORCH_DEVICE))
+
+    jd = t2j_ad.jaxify(_dropout, compile=mode)
+    step = jax.jit(jax.value_and_grad(lambda x: (jd(x) * jd(x)).sum()))
+    jax.block_until_ready(step(_X))
+    got, _ = _seeded_run(lambda: step(_X))
+    expected, _ = _seeded_run(lambda: torch.func.grad_and_value(lambda x: (_dropout(x) * _dropout(x)).sum())(to_torch(_X)))
+    assert_tree_allclose(got, jax.tree_util.tree_map(to_numpy, expected[::-1]), rtol=1e-5)
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)).to(TORCH_DEVICE).train()
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
+    both = jax.jit(lambda p, x: apply(p, x) + apply(p, x))
+    jax.block_until_ready(both(params, _X))
+    before = int(module[1].num_batches_tracked)
+    jax.block_until_ready(both(params, _X))
+    assert int(module[1].num_batches_tracked) == before + 2

@@ -17,6 +17,7 @@ import torch
 
 from .._jax_internals import buffer_callback, lower_fun
 from ..convert import torch_dtype
+from ..replayed_calls import has_side_effects
 from ..runtime import run_into
 from ..torch_fn import TorchFn
 
@@ -36,7 +37,8 @@ def _via_buffer_callback(fun: TorchFn, on_gpu: bool):
             stream=stream,
         )
 
-    return buffer_callback(callback, _result_shapes(fun))
+    # NOTE [calls with effects under jax.jit] in replayed_calls.py
+    return buffer_callback(callback, _result_shapes(fun), has_side_effect=has_side_effects(fun))
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:

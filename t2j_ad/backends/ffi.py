@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import torch
 
+from ..replayed_calls import has_side_effects
 from ..runtime import runner_for
 from . import registry
 
@@ -162,4 +163,6 @@ def lower(ctx: Any, *args: Any, fun: Any) -> Sequence[Any]:
             )
         return callback.lower(ctx, *args, fun=fun)
     key = keep_alive(ctx).register(fun)
-    return jax.ffi.ffi_lowering(TARGET)(ctx, *args, key=np.int64(key))
+    # NOTE [calls with effects under jax.jit] in replayed_calls.py
+    lowering = jax.ffi.ffi_lowering(TARGET, has_side_effect=has_side_effects(fun))
+    return lowering(ctx, *args, key=np.int64(key))

@@ -242,9 +242,39 @@ def double_vjp_jvp(
     seeds = tuple(torch.zeros_like(o) for o in outs)
 
     def pullback(*u: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return reverse_mode(fn, primals, u, base=base, key=key)
+        grads = reverse_mode(fn, primals, u, base=base, key=key)
+        _refuse_once_differentiable(base, key, grads)
+        return grads
 
     return reverse_mode(pullback, seeds, tangents, base=base, key=("outer",) + tuple(key))
+
+
+def _refuse_once_differentiable(base: Any, key: Any, grads: Sequence[torch.Tensor]) -> None:
+    """Raise if the reverse pass ``grads`` came from passes through a backward
+    marked ``@once_differentiable``: the double-vjp trick differentiates it
+    again, and autograd, finding the cotangents unused, gave zeros. Its
+    graph is the same at every call, so it is looked at once per transform."""
+    decided = decisions(base)
+    if decided.get(("once differentiable", key)):
+        return
+    seen: set[Any] = set()
+    nodes = [g.grad_fn for g in grads if isinstance(g, torch.Tensor) and g.grad_fn is not None]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name() == "torch::autograd::Error":  # once_differentiable's DelayedError
+            raise RuntimeError(
+                f"t2j_ad: forward mode of {base.name!r} needs the derivative of its reverse pass (the "
+                f"double-vjp trick, as torch.func.jvp refused it), but a backward it runs is marked "
+                f"@once_differentiable and cannot be differentiated again: forward mode would come out "
+                f"zero. Give that autograd.Function a jvp staticmethod (with setup_context), drop "
+                f"@once_differentiable if its backward is differentiable, or use reverse mode "
+                f"(jax.jacrev, jax.grad) instead of jax.jvp / jax.jacfwd."
+            )
+        nodes.extend(child for child, _ in node.next_functions)
+    decided[("once differentiable", key)] = True
 
 
 def forward_mode(
