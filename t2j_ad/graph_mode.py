@@ -75,7 +75,7 @@ from .output_buffers import (
     writing_into_outputs,
 )
 from .random_state import SeedWatch, generators_in_use
-from .real_writes import trial_run
+from .real_writes import one_trial_run, trial_run
 from .rules.fallbacks import provisional, warn_once
 from .trace_check import FirstRunNotUndone, checked_first_run
 from .trace_refusals import (
@@ -359,8 +359,11 @@ def artifact_for(
         return artifact, None
     # Its own lock, not base.lock: build() takes that one, and a trace (an
     # inductor compile: seconds) must not hold up other TorchFns' builds.
+    # The trace takes the trial-run lock, which comes first (NOTE [lock
+    # order] in runtime.py): a forward-mode call holding it waited here for
+    # this lock while the thread holding this lock waited for it.
     lock: threading.Lock = base.__dict__.setdefault("graph_lock", threading.Lock())
-    with lock:
+    with one_trial_run(), lock:
         artifact = _holding(cache, where)
         if artifact is not None:
             return artifact, None

@@ -69,7 +69,8 @@ def _run(fn: Callable[..., Any], avals: Sequence[Aval], device: torch.device, na
             f"not write into their inputs (JAX arrays are immutable). Clone the "
             f"input first (x = x.clone()) or use the out-of-place op."
         )
-    return outputs, Effects(random_ops.seen, run.state_written(), modes.modes(), random_ops.seen and layouts.seen)
+    effects = Effects(random_ops.seen, run.state_written(), modes.modes(), random_ops.seen and layouts.seen, random_ops.given)
+    return outputs, effects
 
 
 def devices_to_try(device: torch.device) -> list[torch.device]:

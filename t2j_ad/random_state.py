@@ -21,30 +21,119 @@ are not calls (graph mode's trace, shape inference):
   an explicit ``generator=`` is refused as well: a generator the function
   makes and seeds each call would be made once, by the trace, and advance
   from replay to replay.
+
+A generator passed as ``generator=`` is the user's own: shape inference
+puts it back as well, after counting the draws made from it, and the value
+call and its replays record and set its state before each such draw
+(``GeneratorStatesKept``, ``GeneratorStatesReplayed``; NOTE [derivatives
+replay the value's draws] in replayed_calls.py). The same generator reaches
+a random op as a new Python object each time, so it is known only by the
+draws made from it, in order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # private, as in real_writes.py
 
 
-class RandomOpsSeen(TorchDispatchMode):
+def _given_generator(func: Any, kwargs: dict[str, Any] | None) -> torch.Generator | None:
+    """The generator a random op was given as ``generator=``, if any."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return None
+    return (kwargs or {}).get("generator")
+
+
+class _GeneratorsPutBack(TorchDispatchMode):
+    """A mode that puts every generator it saw back as it found it (its
+    first sight of each; a generator seen twice, through two objects, ends
+    at the state before the first) when the block ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._found: list[tuple[torch.Generator, torch.Tensor]] = []
+
+    def _note(self, generator: torch.Generator) -> None:
+        self._found.append((generator, generator.get_state()))
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            for generator, state in reversed(self._found):
+                generator.set_state(state)
+        finally:
+            self._found = []
+        return super().__exit__(*exc)
+
+
+class RandomOpsSeen(_GeneratorsPutBack):
     """Within the block, notes whether an op that draws random numbers ran
-    (``seen``): shape inference learns so whether a function draws (NOTE
-    [derivatives replay the value's draws] in replayed_calls.py)."""
+    (``seen``), and counts the draws from generators passed as
+    ``generator=`` (``given``), which it puts back when the block ends:
+    shape inference learns so whether a function draws (NOTE [derivatives
+    replay the value's draws] in replayed_calls.py)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen = False
+        self.given = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         if torch.Tag.nondeterministic_seeded in func.tags:
             self.seen = True
+        generator = _given_generator(func, kwargs)
+        if generator is not None:
+            self.given += 1
+            self._note(generator)
+        return func(*args, **(kwargs or {}))
+
+
+class GeneratorStatesKept(TorchDispatchMode):
+    """Within the block, the state of each generator passed as
+    ``generator=`` just before each draw from it, in order (``states``):
+    what a value call's replays set (NOTE [random state in trial runs])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.states: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        generator = _given_generator(func, kwargs)
+        if generator is not None:
+            self.states.append(generator.get_state())
+        return func(*args, **(kwargs or {}))
+
+
+class GeneratorStatesReplayed(_GeneratorsPutBack):
+    """Within the block, each draw from a generator passed as
+    ``generator=`` starts from the state its value call recorded for it
+    (``state_of(i)``: the i-th such draw's, for the generator's state size);
+    each generator is put back as it was found when the block ends."""
+
+    def __init__(self, state_of: Callable[[int, int], torch.Tensor], draws: int, name: str) -> None:
+        super().__init__()
+        self._state_of = state_of
+        self._draws = draws
+        self._name = name
+        self._at = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        generator = _given_generator(func, kwargs)
+        if generator is not None:
+            if self._at == self._draws:
+                raise RuntimeError(
+                    f"{self._name} drew from a generator passed as generator= more often than when its shapes "
+                    f"were inferred ({self._draws} times), so its derivatives cannot replay the value's draws; "
+                    f"draw from it a fixed number of times, whatever the input's values"
+                )
+            self._note(generator)
+            now = generator.get_state()
+            generator.set_state(self._state_of(self._at, now.numel()))
+            self._at += 1
         return func(*args, **(kwargs or {}))
 
 

@@ -23,8 +23,10 @@ any, and keeps the old behaviour), and of the function batched by
 - ``keeping``: the function, returning also one more output, the *token*:
   bytes holding the state of the call device's generator *before* it ran
   (``STATE_BYTES``, the CPU generator's size; a CUDA generator's 16 bytes
-  are zero-padded), for a function that draws, then the value each tensor
-  it writes had before it wrote it (NOTE [derivatives do not write again]
+  are zero-padded), for a function that draws, then the state of each
+  generator passed as ``generator=`` before each draw from it (NOTE [random
+  state in trial runs] in random_state.py), then the value each tensor it
+  writes had before it wrote it (NOTE [derivatives do not write again]
   in state_writes.py). It draws from PyTorch's global generator as the
   function itself does, so the numbers after a given ``torch.manual_seed``
   are PyTorch's, and it makes the function's writes, once.
@@ -117,6 +119,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .dropout_layouts import row_major_dropout
 from .functorch_levels import outside_transforms, unbatched_value
 from .module_modes import ModuleModes, modes_hold
+from .random_state import GeneratorStatesKept, GeneratorStatesReplayed
 from .state_writes import (
     NO_WRITES,
     ReplayedBindings,
@@ -152,6 +155,9 @@ class Effects:
     # Whether it gives a dropout whose mask follows the input's layout an
     # input not laid out row-major (NOTE [dropout masks follow the layout]).
     draws_by_layout: bool = False
+    # How many of its draws are from generators passed as ``generator=``
+    # (NOTE [random state in trial runs] in random_state.py).
+    given_draws: int = 0
 
     def __bool__(self) -> bool:
         return self.draws_random or bool(self.writes)
@@ -161,6 +167,7 @@ class Effects:
         return self is other or (
             self.draws_random == other.draws_random
             and self.draws_by_layout == other.draws_by_layout
+            and self.given_draws == other.given_draws
             and self.writes.same_slots(other.writes)
         )
 
@@ -205,8 +212,21 @@ def _generator(inputs: Sequence[torch.Tensor]) -> torch.Generator:
 
 def _token_pieces(seen: Effects) -> list[int]:
     """The size in bytes of each piece of the token, in order: the generator
-    state (if the function draws), then the value of every slot written."""
-    return [STATE_BYTES] * seen.draws_random + seen.writes.slot_bytes()
+    state (if the function draws), the state of a given generator before
+    each draw from it, then the value of every slot written."""
+    return [STATE_BYTES] * (seen.draws_random + seen.given_draws) + seen.writes.slot_bytes()
+
+
+def _generator_pieces(seen: Effects) -> int:
+    """How many pieces of the token hold generator states (the first ones)."""
+    return int(seen.draws_random) + seen.given_draws
+
+
+def _padded(state: torch.Tensor) -> torch.Tensor:
+    """A generator's state as one token piece (a CUDA generator's 16 bytes zero-padded)."""
+    piece = torch.zeros(STATE_BYTES, dtype=torch.uint8)
+    piece[: state.numel()] = state
+    return piece
 
 
 def _token_aval(seen: Effects) -> Aval:
@@ -314,7 +334,7 @@ def _keeping(base: BaseFn, seen: Effects) -> BaseFn:
     fn = base.fn
     writes = seen.writes
     sizes = _token_pieces(seen)
-    first = int(seen.draws_random)  # the piece of the first slot
+    first = _generator_pieces(seen)  # the piece of the first slot
     key = object()
 
     def keeping(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -322,10 +342,10 @@ def _keeping(base: BaseFn, seen: Effects) -> BaseFn:
         pieces: list[torch.Tensor | None] = [None] * len(sizes)
         if seen.draws_random:
             with outside_transforms():  # bytes, whatever transforms this call runs under
-                pieces[0] = torch.zeros(STATE_BYTES, dtype=torch.uint8)
-                if not _first_run_in_pass(key):  # else the runner writes the state in
-                    state = _generator(inputs).get_state()
-                    pieces[0][: state.numel()] = state
+                if _first_run_in_pass(key):  # the runner writes the state in
+                    pieces[0] = torch.zeros(STATE_BYTES, dtype=torch.uint8)
+                else:
+                    pieces[0] = _padded(_generator(inputs).get_state())
         for slot, tensor in enumerate(writes.closed_over):
             pieces[first + slot] = pack(tensor)
 
@@ -333,8 +353,17 @@ def _keeping(base: BaseFn, seen: Effects) -> BaseFn:
             if pieces[first + slot] is None:  # before anything under the forward updates it
                 pieces[first + slot] = pack(found)
 
-        with module_slots_entered(writes, starts), _mask_layouts(seen):
+        given = GeneratorStatesKept() if seen.given_draws else contextlib.nullcontext()
+        with module_slots_entered(writes, starts), _mask_layouts(seen), given:
             outputs = fn(*inputs)
+        if seen.given_draws:
+            if len(given.states) != seen.given_draws:
+                raise RuntimeError(
+                    f"{base.name} drew {len(given.states)} times from generators passed as generator=, where "
+                    f"{seen.given_draws} were seen when its shapes were inferred, so its derivatives cannot "
+                    f"replay the value's draws; draw from them a fixed number of times, whatever the input's values"
+                )
+            pieces[int(seen.draws_random) : first] = [_padded(state) for state in given.states]
         with outside_transforms():
             for at, size in enumerate(sizes):
                 piece = pieces[at]  # None: a slot whose module did not run (never replayed)
@@ -360,8 +389,9 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
     fn = base.fn
     writes = seen.writes
     # Where each slot's bytes start in the token (and where the last ends).
-    offsets = list(itertools.accumulate(_token_pieces(seen), initial=0))[int(seen.draws_random) :]
+    offsets = list(itertools.accumulate(_token_pieces(seen), initial=0))[_generator_pieces(seen) :]
     key = object()
+    given_start = STATE_BYTES * int(seen.draws_random)  # where the given generators' pieces start
 
     def replaying(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         *args, token = inputs
@@ -380,8 +410,18 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
 
         for slot, tensor in enumerate(writes.closed_over):
             unpack_into(tensor, plain[offsets[slot] : offsets[slot + 1]])
+        def given_state(draw: int, size: int) -> torch.Tensor:
+            start = given_start + draw * STATE_BYTES
+            with outside_transforms():  # a fresh CPU copy, as for the default generator below
+                return plain[start : start + size].to("cpu", copy=True)
+
         bindings = ReplayedBindings(value_of)
-        with module_slots_entered(writes, bindings.starts, bindings.ends), _mask_layouts(seen):
+        given = (
+            GeneratorStatesReplayed(given_state, seen.given_draws, base.name)
+            if seen.given_draws
+            else contextlib.nullcontext()
+        )
+        with module_slots_entered(writes, bindings.starts, bindings.ends), _mask_layouts(seen), given:
             if not seen.draws_random or _first_run_in_pass(key):  # else the runner set the generator
                 return fn(*args)
             if isinstance(plain, FakeTensor):

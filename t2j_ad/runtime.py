@@ -574,15 +574,17 @@ class _RunnerWithEffects(_Runner):
 
 
 # NOTE [lock order]
-# A call may take four process-wide locks, always in this order: the
-# trial-run lock (real_writes.one_trial_run: NOTE [one trial run at a
-# time]), the lock of calls with effects (replayed_calls.effects_held:
-# NOTE [derivatives replay the value's draws]), the forward-AD lock (NOTE
-# [forward AD is process-wide]), then a module's own (NOTE [one module, many
-# threads]). A graph-mode trace takes the trial-run lock inside the call
-# that traces, so a call that takes either of the next two first takes the
-# trial-run lock: a keeping or replaying call, a plain call of a function
-# that draws, and a forward-mode call that is about to trace. Taken the
+# A call may take these locks, always in this order: the trial-run lock
+# (real_writes.one_trial_run: NOTE [one trial run at a time]), the lock of
+# calls with effects (replayed_calls.effects_held: NOTE [derivatives replay
+# the value's draws]), the forward-AD lock (NOTE [forward AD is
+# process-wide]), a function's graph lock (held while its first compiled
+# call traces: graph_mode.artifact_for), then a module's own (NOTE [one
+# module, many threads]). A graph-mode trace takes the trial-run lock inside
+# the call that traces, so a call that takes any of the next three first
+# takes the trial-run lock: a keeping or replaying call, a plain call of a
+# function that draws, a forward-mode call that is about to trace, and
+# artifact_for itself. Taken the
 # other way round, the first call of a random function's value in graph
 # mode (the effects lock, then the trace's trial-run lock) and a batch-norm
 # step on another thread (the trial-run lock, then the effects lock) each

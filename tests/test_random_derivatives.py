@@ -410,3 +410,58 @@ def test_under_jit_two_calls_that_draw_or_update_are_not_merged(mode):
     before = int(module[1].num_batches_tracked)
     jax.block_until_ready(both(params, _X))
     assert int(module[1].num_batches_tracked) == before + 2
+
+
+def _own_generator_case():
+    generator = torch.Generator(device=TORCH_DEVICE)
+
+    def drawn(x):
+        mask = (torch.rand(x.shape, generator=generator, device=x.device) > 0.5).to(x.dtype)
+        noise = torch.randn(x.shape, generator=generator, device=x.device)
+        return torch.sin(x * mask * 2.0 + 0.1 * noise) * x
+
+    return generator, drawn
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("case", ["jit_value_and_grad", "jvp", "jit_hessian", "per_example"])
+def test_draws_from_a_generator_the_function_is_given_are_replayed(case, mode):
+    # The derivative drew again from the user's torch.Generator where it must
+    # replay the value's draws: a gradient of another mask, and the
+    # generator two steps on. Shape inference drew from it too.
+    generator, drawn = _own_generator_case()
+    x = _X[0]
+    transforms = {
+        "jit_value_and_grad": (
+            jax.jit(jax.value_and_grad(lambda x: (jf(x) ** 2).sum())),
+            lambda x: torch.func.grad_and_value(lambda x: (drawn(x) ** 2).sum())(x)[::-1],
+        ),
+        "jvp": (
+            lambda x: jax.jvp(jf, (x,), (jnp.cos(x),)),
+            lambda x: torch.func.jvp(drawn, (x,), (torch.cos(x),)),
+        ),
+        "jit_hessian": (jax.jit(jax.hessian(lambda x: jf(x).sum())), None),
+        "per_example": (
+            jax.jit(jax.vmap(jax.grad(lambda x: (jf(x) ** 2).sum()))),
+            lambda xs: torch.stack([torch.func.grad(lambda x: (drawn(x) ** 2).sum())(row) for row in xs]),
+        ),
+    }
+    jf = t2j_ad.jaxify(drawn, compile=mode)
+    f, reference = transforms[case]
+    arg = _X if case == "per_example" else x
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # eager graph calls and loops, announced
+        generator.manual_seed(5)
+        # The first call: shape inference (and in graph mode the trace) put the generator back.
+        got = jax.block_until_ready(f(arg))
+    after = torch.rand(3, generator=generator, device=TORCH_DEVICE)
+    generator.manual_seed(5)
+    if reference is None:
+        # torch.func.hessian refuses random ops: the Hessian of the draws the value made
+        mask = (torch.rand(4, generator=generator, device=TORCH_DEVICE) > 0.5).to(torch.float32)
+        noise = torch.randn(4, generator=generator, device=TORCH_DEVICE)
+        expected = torch.func.hessian(lambda x: (torch.sin(x * mask * 2.0 + 0.1 * noise) * x).sum())(to_torch(x))
+    else:
+        expected = reference(to_torch(arg))
+    assert_tree_allclose(got, jax.tree_util.tree_map(to_numpy, expected), rtol=1e-5, atol=1e-5)
+    assert torch.equal(after, torch.rand(3, generator=generator, device=TORCH_DEVICE))
