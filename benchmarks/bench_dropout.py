@@ -44,6 +44,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from common import (  # noqa: E402
+    cross_entropy_of,
     markdown_table,
     print_report,
     set_threads,
@@ -51,6 +52,7 @@ from common import (  # noqa: E402
     time_calls,
     torch_device,
     torch_done,
+    torch_training_step,
 )
 
 import jax  # noqa: E402
@@ -79,18 +81,6 @@ def make_mlp(dropout: bool = True) -> torch.nn.Module:
     ).to(torch_device())
 
 
-def jax_loss(apply):  # noqa: ANN001, ANN201
-    def loss(params, x, onehot):  # noqa: ANN001, ANN202
-        return -jnp.mean(jnp.sum(jax.nn.log_softmax(apply(params, x)) * onehot, axis=-1))
-
-    return loss
-
-
-def torch_step(module: torch.nn.Module, x: torch.Tensor, onehot: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    module.zero_grad(set_to_none=True)
-    loss = -(torch.log_softmax(module(x), -1) * onehot).sum(-1).mean()
-    loss.backward()
-    return loss, {name: p.grad for name, p in module.named_parameters()}
 
 
 def step_contenders() -> dict:
@@ -107,14 +97,14 @@ def step_contenders() -> dict:
         ("t2j_ad graph, no dropout", make_mlp(dropout=False).train(), "graph"),
     ]:
         apply, params = t2j_ad.jaxify_module(module, compile=mode)
-        steps[name] = (jax.jit(jax.value_and_grad(jax_loss(apply))), params)
+        steps[name] = (jax.jit(jax.value_and_grad(cross_entropy_of(apply))), params)
 
     # One step of each from seed 0: the loss and gradients of PyTorch's step
     # from seed 0 (the same masks); without dropout, of no masks.
     for name, (step, params) in steps.items():
         twin = copy.deepcopy(reference) if "no dropout" not in name else make_mlp(dropout=False)
         torch.manual_seed(0)
-        value, grads = torch_step(twin, tx, tonehot)
+        value, grads = torch_training_step(twin, tx, tonehot)
         torch.manual_seed(0)
         got_value, got_grads = step(params, jx, jonehot)
         np.testing.assert_allclose(float(got_value), float(value.detach()), rtol=1e-5, err_msg=name)
@@ -125,7 +115,8 @@ def step_contenders() -> dict:
         step, params = steps[name]
         return lambda: jax.block_until_ready(step(params, jx, jonehot))
 
-    return {"PyTorch": torch_done(lambda: torch_step(reference, tx, tonehot)), **{name: ours(name) for name in steps}}
+    pytorch = torch_done(lambda: torch_training_step(reference, tx, tonehot))
+    return {"PyTorch": pytorch, **{name: ours(name) for name in steps}}
 
 
 def hessian_contenders() -> dict:

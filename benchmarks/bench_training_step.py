@@ -32,6 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from common import (  # noqa: E402
+    cross_entropy_of,
     markdown_table,
     print_report,
     set_threads,
@@ -39,6 +40,7 @@ from common import (  # noqa: E402
     time_calls,
     torch_device,
     torch_done,
+    torch_training_step,
 )
 
 import jax  # noqa: E402
@@ -73,19 +75,6 @@ def make_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, np.eye(CLASSES, dtype=np.float32)[labels]
 
 
-def jax_loss(apply):  # noqa: ANN001, ANN201
-    def loss(params, x, onehot):  # noqa: ANN001, ANN202
-        logits = apply(params, x)
-        return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * onehot, axis=-1))
-
-    return loss
-
-
-def torch_step(module: torch.nn.Module, x: torch.Tensor, onehot: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    module.zero_grad(set_to_none=True)
-    loss = -(torch.log_softmax(module(x), -1) * onehot).sum(-1).mean()
-    loss.backward()
-    return loss, {name: p.grad for name, p in module.named_parameters()}
 
 
 def contenders() -> dict:
@@ -97,15 +86,15 @@ def contenders() -> dict:
     steps = {}
     for name, (module, mode) in modules.items():
         apply, params = t2j_ad.jaxify_module(module, compile=mode)
-        steps[name] = (module, jax.jit(jax.value_and_grad(jax_loss(apply))), params)
+        steps[name] = (module, jax.jit(jax.value_and_grad(cross_entropy_of(apply))), params)
     stateless = make_module(track_running_stats=False).train()
     apply, stateless_params = t2j_ad.jaxify_module(stateless)
-    stateless_step = jax.jit(jax.value_and_grad(jax_loss(apply)))
+    stateless_step = jax.jit(jax.value_and_grad(cross_entropy_of(apply)))
 
     # One checked step of each: the same loss and gradients as PyTorch's, and
     # the running statistics updated once, as PyTorch's step updates them.
     twin = copy.deepcopy(reference)
-    value, grads = torch_step(twin, tx, tonehot)
+    value, grads = torch_training_step(twin, tx, tonehot)
     for name, (module, step, params) in steps.items():
         got_value, got_grads = step(params, jx, jonehot)
         np.testing.assert_allclose(float(got_value), float(value.detach()), rtol=1e-5, err_msg=name)
@@ -124,7 +113,7 @@ def contenders() -> dict:
         return lambda: jax.block_until_ready(step(params, jx, jonehot))
 
     return {
-        "PyTorch": torch_done(lambda: torch_step(reference, tx, tonehot)),
+        "PyTorch": torch_done(lambda: torch_training_step(reference, tx, tonehot)),
         "t2j_ad": ours("t2j_ad"),
         "t2j_ad graph": ours("t2j_ad graph"),
         "t2j_ad no statistics": lambda: jax.block_until_ready(stateless_step(stateless_params, jx, jonehot)),

@@ -124,6 +124,29 @@ def time_calls(
     return timings
 
 
+def cross_entropy_of(apply: Callable[..., Any]) -> Callable[..., Any]:
+    """The JAX loss of a training step: the mean cross-entropy of
+    ``apply(params, x)``'s logits against one-hot labels."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(params: Any, x: Any, onehot: Any) -> Any:
+        return -jnp.mean(jnp.sum(jax.nn.log_softmax(apply(params, x)) * onehot, axis=-1))
+
+    return loss
+
+
+def torch_training_step(module: Any, x: Any, onehot: Any) -> tuple[Any, dict[str, Any]]:
+    """One training step of ``module`` by PyTorch's autograd, with the loss of
+    ``cross_entropy_of``: the loss, and each parameter's gradient."""
+    import torch
+
+    module.zero_grad(set_to_none=True)
+    loss = -(torch.log_softmax(module(x), -1) * onehot).sum(-1).mean()
+    loss.backward()
+    return loss, {name: p.grad for name, p in module.named_parameters()}
+
+
 def format_seconds(seconds: float) -> str:
     if seconds >= 1:
         return f"{seconds:.2f} s"
