@@ -584,11 +584,13 @@ class _RunnerWithEffects(_Runner):
 # the call that traces, so a call that takes any of the next three first
 # takes the trial-run lock: a keeping or replaying call, a plain call of a
 # function that draws, a forward-mode call that is about to trace, and
-# artifact_for itself. Taken the
-# other way round, the first call of a random function's value in graph
-# mode (the effects lock, then the trace's trial-run lock) and a batch-norm
-# step on another thread (the trial-run lock, then the effects lock) each
-# waited for the other.
+# artifact_for itself. Taken the other way round, the first call of a random
+# function's value in graph mode (the effects lock, then the trace's
+# trial-run lock) and a batch-norm step on another thread (the trial-run
+# lock, then the effects lock) would each wait for the other; and a
+# forward-mode first call (the trial-run lock, then the graph lock) waited
+# for another transform's trace (the graph lock, then the trial-run lock),
+# which tests/test_concurrency.py caught.
 
 
 def _effect_duties(fun: TorchFn) -> tuple[bool, bool, bool]:
