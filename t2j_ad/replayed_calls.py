@@ -229,6 +229,23 @@ def _padded(state: torch.Tensor) -> torch.Tensor:
     return piece
 
 
+def _state_in(token: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """The generator state whose ``size`` bytes start at ``start`` in
+    ``token``, as a fresh CPU tensor: ``set_state`` reads a tensor with a
+    storage offset (one example's row of a batch) from the wrong place, or
+    crashes. A slice and a copy made outside transforms, so plain tensors
+    inside them too."""
+    with outside_transforms():
+        return token[start : start + size].to("cpu", copy=True)
+
+
+def token_input(base: BaseFn) -> int | None:
+    """Where a ``replaying`` function's token is among the inputs of every
+    TorchFn of it (its last input of its own, ahead of the tangents and
+    cotangents transforms append); None for any other function."""
+    return len(base.in_avals) - 1 if getattr(base, "replays", False) else None
+
+
 def _token_aval(seen: Effects) -> Aval:
     return Aval((sum(_token_pieces(seen)),), np.dtype(np.uint8))
 
@@ -388,10 +405,12 @@ def _keeping(base: BaseFn, seen: Effects) -> BaseFn:
 def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
     fn = base.fn
     writes = seen.writes
-    # Where each slot's bytes start in the token (and where the last ends).
-    offsets = list(itertools.accumulate(_token_pieces(seen), initial=0))[_generator_pieces(seen) :]
+    # Where each piece of the token starts (and where the last ends): the
+    # given generators' states after the default one's, then the slots.
+    starts = list(itertools.accumulate(_token_pieces(seen), initial=0))
+    given_starts = starts[int(seen.draws_random) :]
+    offsets = starts[_generator_pieces(seen) :]
     key = object()
-    given_start = STATE_BYTES * int(seen.draws_random)  # where the given generators' pieces start
 
     def replaying(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         *args, token = inputs
@@ -410,18 +429,17 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
 
         for slot, tensor in enumerate(writes.closed_over):
             unpack_into(tensor, plain[offsets[slot] : offsets[slot + 1]])
+
         def given_state(draw: int, size: int) -> torch.Tensor:
-            start = given_start + draw * STATE_BYTES
-            with outside_transforms():  # a fresh CPU copy, as for the default generator below
-                return plain[start : start + size].to("cpu", copy=True)
+            return _state_in(plain, given_starts[draw], size)
 
         bindings = ReplayedBindings(value_of)
-        given = (
+        replayed = (
             GeneratorStatesReplayed(given_state, seen.given_draws, base.name)
             if seen.given_draws
             else contextlib.nullcontext()
         )
-        with module_slots_entered(writes, bindings.starts, bindings.ends), _mask_layouts(seen), given:
+        with module_slots_entered(writes, bindings.starts, bindings.ends), _mask_layouts(seen), replayed:
             if not seen.draws_random or _first_run_in_pass(key):  # else the runner set the generator
                 return fn(*args)
             if isinstance(plain, FakeTensor):
@@ -432,10 +450,7 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
                 )
             generator = _generator(args)
             now = generator.get_state()
-            with outside_transforms():  # a slice and a copy: plain tensors inside transforms too
-                # A fresh copy: set_state reads a tensor with a storage offset
-                # (one example's row of a batch) from the wrong place, or crashes.
-                generator.set_state(plain[: now.numel()].to("cpu", copy=True))
+            generator.set_state(_state_in(plain, 0, now.numel()))
             try:
                 return fn(*args)
             finally:
@@ -508,8 +523,7 @@ class GeneratorAround:
             yield
             outputs[-1][: now.numel()].copy_(now)
             return
-        # A fresh CPU copy: set_state reads a tensor with a storage offset from the wrong place.
-        generator.set_state(inputs[self.token][: now.numel()].to("cpu", copy=True))
+        generator.set_state(_state_in(inputs[self.token], 0, now.numel()))
         try:
             yield
         finally:
@@ -526,7 +540,7 @@ def generator_around(fun: TorchFn) -> GeneratorAround | None:
         return None
     if not base.replays:
         return None if fun.transforms else GeneratorAround(base.generator_key, None)
-    token = len(base.in_avals) - 1  # ahead of the tangents and cotangents transforms append
+    token = token_input(base)
     if any(isinstance(t, Vmap) and t.in_dims[token] is not None for t in fun.transforms):
         return None
     return GeneratorAround(base.generator_key, token)

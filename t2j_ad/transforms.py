@@ -14,7 +14,7 @@ import torch
 
 from . import functorch_levels
 from .convert import torch_dtype
-from .replayed_calls import effects
+from .replayed_calls import effects, token_input
 from .rules.fallbacks import forward_mode, reverse_mode, vmap_auto, warn_once
 from .torch_fn import Aval, Jvp, TorchFn, Transform, Vjp, Vmap
 
@@ -96,9 +96,7 @@ def _announce_loop_for_state(base: Any) -> None:
 
 def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], base: Any, prefix: Any) -> Flat:
     in_dims, size = t.in_dims, t.axis_size
-    # The token is the replay's last input of its own, ahead of any tangents
-    # and cotangents the transforms append.
-    token = len(base.in_avals) - 1 if getattr(base, "replays", False) else None
+    token = token_input(base)
     # A replay batched over tangents alone (the token unbatched: a Jacobian,
     # a Hessian) draws the value call's numbers once for every tangent, as
     # randomness="same" does (NOTE [derivatives replay the value's draws]).

@@ -290,19 +290,10 @@ def test_old_style_function_jacfwd_hessian():
     assert len(messages) == 3, messages
 
 
-class OnceDifferentiableCube(torch.autograd.Function):
-    """Old style, with a backward that cannot be differentiated again."""
+class OnceDifferentiableCube(OldCube):
+    """OldCube, with a backward that cannot be differentiated again."""
 
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x**3
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return grad * 3 * x**2
+    backward = staticmethod(torch.autograd.function.once_differentiable(OldCube.backward))
 
 
 def test_forward_mode_through_a_once_differentiable_backward_is_refused_not_zero():
