@@ -10,4 +10,4 @@ GRAPH_MODE_TESTS=(tests/test_ad.py tests/test_batching.py tests/test_module.py t
 GRAPH_MODE_EXAMPLES=8
 
 # The core tests again on the Python callback backend (T2J_AD_BACKEND=callback).
-CALLBACK_TESTS=(tests/test_api.py tests/test_module.py tests/test_bad_input.py tests/test_ad.py tests/test_batching.py)
+CALLBACK_TESTS=(tests/test_api.py tests/test_module.py tests/test_bad_input.py tests/test_ad.py tests/test_batching.py tests/test_calls_under_jit.py)

@@ -8,6 +8,9 @@ moves an internal again, this is the only file that changes.
 
 from __future__ import annotations
 
+import functools
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,8 +58,17 @@ from jax._src import core as _core
 from jax._src.mesh import get_abstract_mesh
 
 # How jax.checkpoint (remat) splits an equation between the forward pass and
-# the backward pass that recomputes it: a rule per primitive.
+# the backward pass that recomputes it: a rule per primitive. The same module
+# holds the dead-code rules (which equations jit drops) and the rules that
+# decide which equations partial evaluation runs ahead of the rest.
 from jax._src.interpreters import partial_eval as _pe
+
+# lax.scan's partial evaluation moves loop-invariant work out of the loop
+# (NOTE [calls with effects under jax.jit]).
+from jax._src.lax.control_flow import loops as _loops
+
+# MLIR as JAX builds it: the block a lowering rule emits into.
+from jax._src.lib.mlir import ir
 
 float0 = jax.dtypes.float0
 
@@ -76,6 +88,8 @@ __all__ = [
     "result_aval",
     "register_rules",
     "require_devices_during_lowering",
+    "in_program_order",
+    "run_every_call",
 ]
 
 
@@ -164,6 +178,156 @@ def register_remat_rule(prim: Primitive, never_recomputed: Callable[[dict[str, A
     _pe.partial_eval_jaxpr_custom_rules[prim] = rule
 
 
+def run_every_call(prim: Primitive, runs_every_time: Callable[[dict[str, Any]], bool]) -> None:
+    """Make JAX run each equation of ``prim`` whose parameters
+    ``runs_every_time`` accepts as often as the program says, under any
+    transform (NOTE [calls with effects under jax.jit] in
+    ``replayed_calls.py``):
+
+    - jit's dead-code elimination keeps such an equation when its outputs go
+      unused, and keeps a ``jit``, ``scan``, ``cond``, ``while_loop``,
+      ``custom_jvp``, ``checkpoint``... that holds one;
+    - ``lax.scan``'s partial evaluation (``grad`` of a scan, ``checkpoint``
+      of a scan) leaves such an equation in the loop when it only reads
+      loop-invariant values, where it would otherwise run once, before the
+      loop.
+
+    A JAX without these internals keeps its own behaviour there."""
+
+    def holds_one_in(jaxpr: Any) -> bool:
+        return any(runs_every_time(params) for params in _calls_in(prim, jaxpr))
+
+    def own_rule(used_outs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
+        if any(used_outs) or runs_every_time(eqn.params):
+            return [True] * len(eqn.invars), eqn
+        return [False] * len(eqn.invars), None
+
+    def keeping(rule: Callable[..., Any]) -> Callable[..., Any]:
+        def container_rule(used_outs: list[bool], eqn: Any) -> Any:
+            if not any(used_outs) and any(map(holds_one_in, _core.jaxprs_in_params(eqn.params))):
+                used_outs = [True] * len(eqn.outvars)  # as if the program read it all
+            return rule(used_outs, eqn)
+
+        return container_rule
+
+    def partial_eval_rule(trace: Any, *tracers: Any, **params: Any) -> Any:
+        if _hoisting.depth and runs_every_time(params):
+            tracers = tuple(trace.instantiate_const(t) for t in tracers)  # not known: stays in the loop
+        return trace.default_process_primitive(prim, tracers, params)
+
+    dce_rules = getattr(_pe, "dce_rules", None)
+    if dce_rules is not None:
+        for container, rule in list(dce_rules.items()):
+            dce_rules[container] = keeping(rule)
+        while_p = getattr(_loops, "while_p", None)
+        default = getattr(_pe, "_default_dce_rule", None)
+        if while_p is not None and default is not None and while_p not in dce_rules:
+            dce_rules[while_p] = keeping(default)
+        dce_rules[prim] = own_rule
+
+    hoisting = getattr(_loops, "_scan_known_hoisting", None)
+    if hoisting is not None:
+        _loops._scan_known_hoisting = _hoisting_none_that_holds(hoisting, holds_one_in)
+    custom_scan_rule = _pe.partial_eval_jaxpr_custom_rules.get(getattr(_loops, "scan_p", None))
+    if custom_scan_rule is not None:
+        # Under jax.checkpoint the scan rule hoists by partial evaluation:
+        # there such a call is kept apart from what is known before the loop.
+        _pe.partial_eval_jaxpr_custom_rules[_loops.scan_p] = _while_hoisting(custom_scan_rule)
+        _pe.custom_partial_eval_rules[prim] = partial_eval_rule
+
+
+def _hoisting_none_that_holds(hoisting: Callable[..., Any], holds_one_in: Callable[[Any], bool]) -> Callable[..., Any]:
+    """lax.scan's hoisting of loop-invariant work out of the loop (under
+    ``jax.grad``), except in a loop whose forward pass holds a call that
+    must run in every step: there nothing is hoisted (JAX's own way to turn
+    it off), however deep the call sits (in a ``jit``, ``custom_jvp``...)."""
+
+    @functools.wraps(hoisting)
+    def wrapper(jaxpr_known: Any, known_consts: Any, num_res: int) -> Any:
+        if holds_one_in(jaxpr_known.jaxpr):
+            return jaxpr_known, known_consts, [False] * num_res, []
+        return hoisting(jaxpr_known, known_consts, num_res)
+
+    return wrapper
+
+
+def in_program_order(
+    lowering: Callable[..., Sequence[Any]], has_effects: Callable[[dict[str, Any]], bool]
+) -> Callable[..., Sequence[Any]]:
+    """``lowering`` (an MLIR lowering rule), made to run each call whose
+    parameters ``has_effects`` accepts after the last such call lowered
+    before it into the same block: that call's first result is handed to it
+    as one more operand, which the call ignores (NOTE [calls with effects
+    under jax.jit]). XLA keeps no other order between two calls with side
+    effects: it drops optimization barriers and their control dependencies
+    on the CPU. Not under a sharded ``jax.jit``."""
+
+    def rule(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
+        if not has_effects(params) or partitioned_devices(ctx) > 1:
+            # Under a sharded jit one more operand, sharded, would be gathered.
+            return lowering(ctx, *args, **params)
+        # Lives as long as the module being lowered (ModuleContext has no other room).
+        last_in_block = ctx.module_context.cached_primitive_lowerings.setdefault(_LAST_CALL_WITH_EFFECTS, {})
+        block = ir.InsertionPoint.current.block
+        before = last_in_block.get(block)
+        if before is not None:
+            value, aval = before
+            ctx = ctx.replace(avals_in=(*ctx.avals_in, aval))
+            args = (*args, value)
+        outs = lowering(ctx, *args, **params)
+        results = [v for out in outs for v in (out if isinstance(out, (list, tuple)) else [out])]
+        if results:
+            last_in_block[block] = (results[0], ctx.avals_out[0])
+        return outs
+
+    return rule
+
+
+_LAST_CALL_WITH_EFFECTS = ("t2j_ad", "the last call with effects in each block")
+
+
+class _Hoisting(threading.local):
+    depth = 0
+
+
+_hoisting = _Hoisting()
+
+
+def _while_hoisting(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """``fun``, saying while it runs that what partial evaluation finds
+    known runs once, before a loop."""
+
+    @functools.wraps(fun)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _hoisting.depth += 1
+        try:
+            return fun(*args, **kwargs)
+        finally:
+            _hoisting.depth -= 1
+
+    return wrapper
+
+
+def _calls_in(prim: Primitive, jaxpr: Any) -> list[dict[str, Any]]:
+    """The parameters of each ``prim`` equation in ``jaxpr``, at any depth
+    (``prim``: the one primitive ``run_every_call`` is given)."""
+    cached = _found_calls.get(jaxpr)
+    if cached is None:
+        cached = []
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is prim:
+                cached.append(eqn.params)
+            else:
+                for inner in _core.jaxprs_in_params(eqn.params):
+                    cached.extend(_calls_in(prim, inner))
+        _found_calls[jaxpr] = cached
+    return cached
+
+
+# Jaxprs do not change: what each holds is found once, for as long as it lives.
+_found_calls: weakref.WeakKeyDictionary[Any, list[dict[str, Any]]] = weakref.WeakKeyDictionary()
+
+
 def register_rules(
     prim: Primitive,
     *,
@@ -235,4 +399,7 @@ def register_rules(
     batching.primitive_batchers[prim] = batch_adapter
     if _jet is not None:
         _jet.jet_rules[prim] = jet_adapter
-    mlir.register_lowering(prim, lowering)
+    # Lowered in place, each time: in_program_order reads the block it emits
+    # into, where JAX's lowering cache would lower an equation once, aside, and
+    # copy the result for equal equations.
+    mlir.register_lowering(prim, lowering, cacheable=False)

@@ -11,9 +11,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import backends
-from ._jax_internals import register_remat_rule, register_rules, require_devices_during_lowering
+from ._jax_internals import (
+    in_program_order,
+    register_remat_rule,
+    register_rules,
+    require_devices_during_lowering,
+    run_every_call,
+)
 from .primitive import torch_call_abstract_eval, torch_call_p
-from .replayed_calls import is_value_call
+from .replayed_calls import has_side_effects, is_value_call
 from .rules.batching import torch_call_batch
 from .rules.jet import torch_call_jet
 from .rules.jvp import torch_call_jvp
@@ -27,6 +33,10 @@ def torch_call_lowering(ctx: Any, *args: Any, fun: TorchFn) -> Sequence[Any]:
     return backends.select().lower(ctx, *args, fun=fun)
 
 
+def _has_side_effects(params: dict[str, Any]) -> bool:
+    return has_side_effects(params["fun"])
+
+
 register_rules(
     torch_call_p,
     impl=None,  # eager calls compile the single primitive, like lax ops
@@ -35,8 +45,12 @@ register_rules(
     transpose=torch_call_transpose,
     batch=torch_call_batch,
     jet=torch_call_jet,
-    lowering=partitionable(torch_call_lowering),  # NOTE [partitioning torch_call]
+    # NOTE [partitioning torch_call]; NOTE [calls with effects under jax.jit]
+    lowering=partitionable(in_program_order(torch_call_lowering, has_effects=_has_side_effects)),
 )
 require_devices_during_lowering(torch_call_p)  # the partitioned lowering reads the mesh
 # NOTE [a value call runs once]: jax.checkpoint never runs one again.
 register_remat_rule(torch_call_p, never_recomputed=lambda params: is_value_call(params["fun"].base))
+# NOTE [calls with effects under jax.jit]: JAX neither drops a call that
+# draws or keeps state nor moves it out of a loop.
+run_every_call(torch_call_p, runs_every_time=_has_side_effects)

@@ -201,6 +201,10 @@ class _Runner:
         self.dtypes = (None,) * self.n_out if fun.transforms else fun.base.torch_out_dtypes
         self.forward_ad = any(isinstance(t, Jvp) for t in fun.transforms)
         self._untraced = (self.grad_enabled, self.forward_ad)  # restored by _forget_graph
+        # A call with effects gets one more input, the result of the call with
+        # effects before it, which only orders the two (NOTE [calls with
+        # effects under jax.jit]); it is dropped on the way in.
+        self.n_in = len(fun.in_avals)
         # The modules the graph in use ran, with their training flags when it
         # was traced (NOTE [a graph per training mode]); () when there is none.
         self.modes: ModuleModes = ()
@@ -237,6 +241,8 @@ class _Runner:
         # The hot path of every call (microseconds matter: see
         # benchmarks/bench_call_latency.py), so it is one flat frame of C
         # calls; everything unusual branches off to a method.
+        if len(inputs) != self.n_in:
+            inputs = inputs[: self.n_in]
         if stream:
             self._on_stream(inputs, outputs, stream)
             return
@@ -555,6 +561,8 @@ class _RunnerWithEffects(_Runner):
         return mode
 
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
+        if len(inputs) != self.n_in:
+            inputs = inputs[: self.n_in]  # the order input (_Runner.n_in)
         if self.checks_flags and not effects_now(self.base).same_as(traced_for(self.base)):
             raise TorchCallError(
                 f"{self.name}: the modules it runs changed training mode (module.train() or .eval()) since "

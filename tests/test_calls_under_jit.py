@@ -1,0 +1,233 @@
+"""A call that draws random numbers or updates state runs as often under
+JAX's transforms as the program says: JAX neither drops one whose outputs go
+unused nor runs one that reads only loop-invariant values once, before a
+``lax.scan`` (NOTE [calls with effects under jax.jit] in replayed_calls.py).
+
+Each result is held against PyTorch running the same draws in a Python loop
+(``torch.func`` for the gradients), and PyTorch's global random sequence must
+be where that loop leaves it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+import torch.func
+from conftest import TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
+
+import t2j_ad
+
+_X = jnp.arange(1.0, 9.0)
+_STEPS = 3
+
+
+def _dropout(x):
+    return torch.nn.functional.dropout(x, 0.5, training=True)
+
+
+def _loss(f):
+    return lambda x: (f(x) ** 2).sum()
+
+
+def _scanned(loss):
+    """``loss(x)`` summed over a scan of ``_STEPS`` steps that all read the same ``x``."""
+    return lambda x: jax.lax.scan(lambda total, _: (total + loss(x), None), 0.0, None, _STEPS)[0]
+
+
+def _seeded(fn):
+    """``fn()`` from seed 0, its results ready, and the next draws after it."""
+    torch.manual_seed(0)
+    result = jax.block_until_ready(fn())
+    return result, torch.rand(3, device=TORCH_DEVICE)
+
+
+def _torch_gradients_of_each_step():
+    """``_STEPS`` gradients of the square loss, one mask each, drawn in order
+    from seed 0, summed; and the next draws after them."""
+    x = to_torch(_X)
+    return _seeded(lambda: sum(torch.func.grad(_loss(_dropout))(x) for _ in range(_STEPS)))
+
+
+# Each program draws _STEPS dropout masks (or one) but uses none of them.
+UNUSED = {
+    "top_level": (lambda f: lambda x: (f(x), x + 1)[1], 1),
+    "inside_a_nested_jit": (lambda f: lambda x: (jax.jit(f)(x), x + 1)[1], 1),
+    "inside_a_scan": (lambda f: lambda x: (jax.lax.scan(lambda c, _: (c, f(x)), 0.0, None, _STEPS), x + 1)[1], _STEPS),
+    "inside_a_while_loop": (
+        lambda f: lambda x: (jax.lax.while_loop(lambda c: c[0] < _STEPS, lambda c: (c[0] + 1, f(x)), (0, x)), x + 1)[1],
+        _STEPS,
+    ),
+    "inside_a_cond": (lambda f: lambda x: (jax.lax.cond(x[0] > 0, f, lambda y: y, x), x + 1)[1], 1),
+    "inside_a_checkpoint": (lambda f: lambda x: (jax.checkpoint(f)(x), x + 1)[1], 1),
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("where", list(UNUSED))
+def test_a_call_whose_outputs_go_unused_still_draws_under_jit(where, mode):
+    # JAX dropped it before lowering: the generator stayed where it was, so
+    # every later draw differed from PyTorch's.
+    program, draws = UNUSED[where]
+    jitted = jax.jit(program(t2j_ad.jaxify(_dropout, compile=mode)))
+    jax.block_until_ready(jitted(_X))
+    out, after = _seeded(lambda: jitted(_X))
+    expected_after = _seeded(lambda: [_dropout(to_torch(_X)) for _ in range(draws)])[1]
+    assert_tree_allclose(out, _X + 1)
+    assert torch.equal(after, expected_after)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_module_in_training_mode_updates_its_statistics_when_its_output_goes_unused(mode):
+    # Recomputing batch-norm statistics by calling the module and dropping
+    # its output updated nothing under jax.jit.
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4)).to(TORCH_DEVICE).train()
+    reference = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
+    batch = jnp.arange(24.0).reshape(3, 8) / 10
+
+    @jax.jit
+    def recalibrate(p, x):
+        apply(p, x)
+        return x.sum()
+
+    for _ in range(2):
+        jax.block_until_ready(recalibrate(params, batch))
+        reference(to_torch(batch))
+    assert int(module[1].num_batches_tracked) == int(reference[1].num_batches_tracked) == 2
+    assert_tree_allclose(to_numpy(module[1].running_mean), to_numpy(reference[1].running_mean), rtol=1e-6)
+    assert_tree_allclose(to_numpy(module[1].running_var), to_numpy(reference[1].running_var), rtol=1e-6)
+
+
+# Each program differentiates a scan whose steps draw a mask from the same x.
+SCANNED_GRADIENTS = {
+    "grad": lambda loss: jax.grad(_scanned(loss)),
+    "jit_grad": lambda loss: jax.jit(jax.grad(_scanned(loss))),
+    "grad_of_a_checkpointed_scan": lambda loss: jax.jit(jax.grad(jax.checkpoint(_scanned(loss)))),
+    "grad_of_a_scan_of_checkpoints": lambda loss: jax.jit(jax.grad(_scanned(jax.checkpoint(loss)))),
+    "linearize_then_transpose": lambda loss: jax.jit(lambda x: jax.vjp(_scanned(loss), x)[1](1.0)[0]),
+    "fori_loop": lambda loss: jax.jit(jax.grad(lambda x: jax.lax.fori_loop(0, _STEPS, lambda i, c: c + loss(x), 0.0))),
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("program", list(SCANNED_GRADIENTS))
+def test_the_gradient_of_a_scan_draws_a_mask_in_each_step(program, mode):
+    # The value call read only loop-invariant x, so partial evaluation ran it
+    # once before the loop: every step's gradient was that of one mask, where
+    # the scan's value (no derivative) drew _STEPS masks.
+    grad = SCANNED_GRADIENTS[program](_loss(t2j_ad.jaxify(_dropout, compile=mode)))
+    jax.block_until_ready(grad(_X))
+    got, after = _seeded(lambda: grad(_X))
+    expected, expected_after = _torch_gradients_of_each_step()
+    assert_tree_allclose(got, to_numpy(expected), rtol=1e-6)
+    assert torch.equal(after, expected_after)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_batch_norm_updates_once_per_step_in_the_gradient_of_a_scan(mode):
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4)).to(TORCH_DEVICE).train()
+    reference = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
+    batch = jnp.arange(24.0).reshape(3, 8) / 10
+    grad = jax.jit(jax.grad(lambda p: _scanned(lambda x: (apply(p, x) ** 2).sum())(batch)))
+    got = jax.block_until_ready(grad(params))
+
+    names = [name for name, _ in reference.named_parameters()]
+    expected = {name: torch.zeros_like(p) for name, p in reference.named_parameters()}
+    for _ in range(_STEPS):
+        reference.zero_grad()
+        (reference(to_torch(batch)) ** 2).sum().backward()
+        for name, p in reference.named_parameters():
+            expected[name] += p.grad
+    assert sorted(got) == sorted(names)
+    assert_tree_allclose(got, {k: to_numpy(v) for k, v in expected.items()}, rtol=1e-5, atol=1e-6)
+    # Inference ran the module once more (a trial run puts its state back).
+    assert int(module[1].num_batches_tracked) == int(reference[1].num_batches_tracked) == _STEPS
+    assert_tree_allclose(to_numpy(module[1].running_mean), to_numpy(reference[1].running_mean), rtol=1e-6)
+
+
+def test_a_call_without_effects_whose_output_goes_unused_is_still_dropped():
+    # Only calls that draw or keep state are kept: a pure call whose output
+    # goes unused is left out of the program, as any JAX operation is.
+    calls = []
+
+    def counted(x):
+        calls.append(1)
+        return torch.sin(x)
+
+    f = t2j_ad.jaxify(counted, output_shapes=jax.ShapeDtypeStruct(_X.shape, _X.dtype))
+    jitted = jax.jit(lambda x: (f(x), x + 1)[1])
+    assert_tree_allclose(jitted(_X), _X + 1)
+    assert calls == []
+    assert "custom_call" not in jitted.lower(_X).as_text()
+    assert "custom_call" in jax.jit(f).lower(_X).as_text()
+
+
+def _late(x):
+    """``x`` through enough work that XLA has ``x`` itself ready well before it."""
+    return jnp.tanh(jnp.cos(x) @ jnp.ones((x.shape[0], x.shape[0]))).cumsum()
+
+
+# Each program makes calls that draw, none reading another's result, the
+# first of them on an input that is ready last.
+IN_ORDER = {
+    "late_input_first": lambda f: lambda x: (f(_late(x)), f(x)),
+    "three": lambda f: lambda x: (f(_late(x) * 3), f(jnp.tanh(x)), f(x)),
+    "value_and_gradient": lambda f: lambda x: (f(_late(x)), jax.grad(lambda y: (f(y) ** 2).sum())(x)),
+}
+
+
+def _torch_late(x):
+    return torch.tanh(torch.cos(x) @ torch.ones((x.shape[0], x.shape[0]), device=x.device)).cumsum(0)
+
+
+TORCH_IN_ORDER = {
+    "late_input_first": lambda f: lambda x: (f(_torch_late(x)), f(x)),
+    "three": lambda f: lambda x: (f(_torch_late(x) * 3), f(torch.tanh(x)), f(x)),
+    "value_and_gradient": lambda f: lambda x: (f(_torch_late(x)), torch.func.grad(lambda y: (f(y) ** 2).sum())(x)),
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("program", list(IN_ORDER))
+def test_calls_that_draw_run_in_program_order_under_jit(program, mode):
+    # XLA ran a call whose input was ready first before one the program
+    # makes earlier: each drew the other's numbers.
+    noise = t2j_ad.jaxify(lambda x: x + torch.randn_like(x), compile=mode)
+    jitted = jax.jit(IN_ORDER[program](noise))
+    jax.block_until_ready(jitted(_X))
+    got, after = _seeded(lambda: jitted(_X))
+    expected, expected_after = _seeded(lambda: TORCH_IN_ORDER[program](lambda x: x + torch.randn_like(x))(to_torch(_X)))
+    assert_tree_allclose(got, tuple(to_numpy(e) for e in expected), rtol=1e-5)
+    assert torch.equal(after, expected_after)
+
+
+class _Counter(torch.nn.Module):
+    """Scales its input by how many times it has been called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return x * self.calls
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_calls_of_a_module_that_updates_its_state_run_in_program_order_under_jit(mode):
+    counter = _Counter().to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(counter, compile=mode)
+    jitted = jax.jit(lambda x: (apply(params, _late(x)), apply(params, x)))
+    first, second = jitted(_X)
+    assert_tree_allclose(first, _late(_X) * 1)
+    assert_tree_allclose(second, _X * 2)
+    first, second = jitted(_X)
+    assert_tree_allclose((first, second), (_late(_X) * 3, _X * 4))
+    assert float(counter.calls) == 4
