@@ -307,6 +307,43 @@ def test_forward_mode_through_a_once_differentiable_backward_is_refused_not_zero
             jax.block_until_ready(jax.jvp(f, (X,), (V,)))
 
 
+class SetupContextOnceDifferentiableCube(torch.autograd.Function):
+    """x**3 with ``setup_context`` and a backward that cannot be
+    differentiated again (no jvp staticmethod, so forward mode is the
+    double-vjp trick)."""
+
+    @staticmethod
+    def forward(x):
+        return x**3
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 3 * x**2
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
+def test_forward_mode_through_a_once_differentiable_backward_with_setup_context_is_refused_not_zero(transform):
+    # Under torch.func such a backward leaves no trace in the reverse pass's
+    # graph: jax.jacfwd and jax.hessian came out zero, silently.
+    f = t2j_ad.jaxify(lambda x: SetupContextOnceDifferentiableCube.apply(x))
+    run = {
+        "jvp": lambda: jax.jvp(f, (X,), (V,)),
+        "jacfwd": lambda: jax.jacfwd(f)(X),
+        "hessian": lambda: jax.hessian(lambda x: f(x).sum())(X),
+    }[transform]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # the double-vjp trick and the loop, announced
+        assert_tree_allclose(jax.jacrev(f)(X), jax.jacrev(lambda x: x**3)(X), rtol=1e-5)
+        with pytest.raises(Exception, match="backward of SetupContextOnceDifferentiableCube is marked @once_differentiable"):
+            jax.block_until_ready(run())
+
+
 # ------------------------------------------------------- NumpySort/NumpyTake
 # From "Extending torch.func with autograd.Function", Example 1 with the vmap
 # staticmethods of "Defining the vmap staticmethod". (The guide's second

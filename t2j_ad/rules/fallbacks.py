@@ -237,8 +237,11 @@ def double_vjp_jvp(
     key: Any,
 ) -> tuple[torch.Tensor, ...]:
     """``J t`` from reverse mode alone (see NOTE [fallbacks])."""
-    with torch.no_grad():
-        outs = fn(*primals)
+    if decisions(base).get(("once differentiable", key)):
+        with torch.no_grad():
+            outs = fn(*primals)
+    else:
+        outs = _outputs_refusing_once_differentiable(fn, primals, base, key)
     seeds = tuple(torch.zeros_like(o) for o in outs)
 
     def pullback(*u: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -249,31 +252,72 @@ def double_vjp_jvp(
     return reverse_mode(pullback, seeds, tangents, base=base, key=("outer",) + tuple(key))
 
 
-def _refuse_once_differentiable(base: Any, key: Any, grads: Sequence[torch.Tensor]) -> None:
-    """Raise if the reverse pass ``grads`` came from passes through a backward
-    marked ``@once_differentiable``: the double-vjp trick differentiates it
-    again, and autograd, finding the cotangents unused, gave zeros. Its
-    graph is the same at every call, so it is looked at once per transform."""
-    decided = decisions(base)
-    if decided.get(("once differentiable", key)):
-        return
+# The code of the wrapper torch.autograd.function.once_differentiable puts
+# around a backward (functools.wraps copies the backward's name onto it).
+_ONCE_DIFFERENTIABLE_CODE = torch.autograd.function.once_differentiable(lambda ctx, *grads: grads).__code__
+
+
+def _graph_nodes(tensors: Iterable[Any]) -> Iterator[Any]:
+    """Every autograd node behind ``tensors``, each once."""
     seen: set[Any] = set()
-    nodes = [g.grad_fn for g in grads if isinstance(g, torch.Tensor) and g.grad_fn is not None]
+    nodes = [getattr(t, "grad_fn", None) for t in tensors if isinstance(t, torch.Tensor)]
     while nodes:
         node = nodes.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if node.name() == "torch::autograd::Error":  # once_differentiable's DelayedError
-            raise RuntimeError(
-                f"t2j_ad: forward mode of {base.name!r} needs the derivative of its reverse pass (the "
-                f"double-vjp trick, as torch.func.jvp refused it), but a backward it runs is marked "
-                f"@once_differentiable and cannot be differentiated again: forward mode would come out "
-                f"zero. Give that autograd.Function a jvp staticmethod (with setup_context), drop "
-                f"@once_differentiable if its backward is differentiable, or use reverse mode "
-                f"(jax.jacrev, jax.grad) instead of jax.jvp / jax.jacfwd."
-            )
+        yield node
         nodes.extend(child for child, _ in node.next_functions)
+
+
+def _once_differentiable_error(base: Any, function: str) -> RuntimeError:
+    return RuntimeError(
+        f"t2j_ad: forward mode of {base.name!r} needs the derivative of its reverse pass (the "
+        f"double-vjp trick, as torch.func.jvp refused it), but the backward of {function} is marked "
+        f"@once_differentiable and cannot be differentiated again: forward mode would come out "
+        f"zero. Give that autograd.Function a jvp staticmethod (with setup_context), drop "
+        f"@once_differentiable if its backward is differentiable, or use reverse mode "
+        f"(jax.jacrev, jax.grad) instead of jax.jvp / jax.jacfwd."
+    )
+
+
+def _outputs_refusing_once_differentiable(
+    fn: Callable[..., tuple[torch.Tensor, ...]], primals: Sequence[torch.Tensor], base: Any, key: Any
+) -> tuple[torch.Tensor, ...]:
+    """``fn(*primals)``, run with its autograd graph recorded, refused if an
+    ``autograd.Function`` in that graph has a ``@once_differentiable``
+    backward: the double-vjp trick differentiates that backward, which
+    PyTorch runs under ``no_grad`` and, for a Function with
+    ``setup_context`` under ``torch.func``, without a trace of it in the
+    reverse pass's graph, so forward mode came out zero. Its graph is the
+    same at every call, so it is looked at once per transform."""
+    try:
+        with torch.enable_grad():
+            xs = [p.detach().requires_grad_(True) if p.is_floating_point() or p.is_complex() else p for p in primals]
+            outs = fn(*xs)
+    except RuntimeError:  # e.g. requires_grad_ on a tensor a torch.func level batches
+        with torch.no_grad():
+            return fn(*primals)  # _refuse_once_differentiable looks at the reverse pass instead
+    for node in _graph_nodes(outs):
+        function = getattr(node, "_forward_cls", None)  # the autograd.Function of a custom node
+        backward = getattr(function, "backward", None)
+        if getattr(backward, "__code__", None) is _ONCE_DIFFERENTIABLE_CODE:
+            raise _once_differentiable_error(base, function.__name__)
+    return tuple(o.detach() for o in outs)
+
+
+def _refuse_once_differentiable(base: Any, key: Any, grads: Sequence[torch.Tensor]) -> None:
+    """Raise if the reverse pass ``grads`` came from passes through a backward
+    marked ``@once_differentiable`` (an old-style Function's, which leaves an
+    error node in the reverse pass's graph): the double-vjp trick
+    differentiates it again, and autograd, finding the cotangents unused,
+    gave zeros. Looked at once per transform."""
+    decided = decisions(base)
+    if decided.get(("once differentiable", key)):
+        return
+    for node in _graph_nodes(grads):
+        if node.name() == "torch::autograd::Error":  # once_differentiable's DelayedError
+            raise _once_differentiable_error(base, "an autograd.Function it runs")
     decided[("once differentiable", key)] = True
 
 
