@@ -63,12 +63,32 @@ from jax._src.mesh import get_abstract_mesh
 # decide which equations partial evaluation runs ahead of the rest.
 from jax._src.interpreters import partial_eval as _pe
 
-# lax.scan's partial evaluation moves loop-invariant work out of the loop
-# (NOTE [calls with effects under jax.jit]).
-from jax._src.lax.control_flow import loops as _loops
-
 # MLIR as JAX builds it: the block a lowering rule emits into.
 from jax._src.lib.mlir import ir
+
+# For NOTE [calls with effects under jax.jit]: lax.scan's partial evaluation,
+# which moves loop-invariant work out of the loop; jax.jit, jax.checkpoint
+# and custom_jvp inside jax.jit, and how JAX lowers a jaxpr into its
+# caller's block (custom_jvp's lowering). Where a JAX has moved them, what
+# needs them keeps JAX's own behaviour (run_every_call and
+# lower_nested_calls_in_place check for None).
+try:
+    from jax._src.lax.control_flow import loops as _loops
+except ImportError:  # pragma: no cover - another JAX layout
+    _loops = None
+try:
+    from jax._src import ad_checkpoint as _ad_checkpoint
+    from jax._src import custom_derivatives as _custom_derivatives
+    from jax._src import pjit as _pjit
+except ImportError:  # pragma: no cover - another JAX layout
+    _ad_checkpoint = _custom_derivatives = _pjit = None
+try:
+    from jax._src.named_sharding import UnspecifiedValue
+except ImportError:  # pragma: no cover - older JAX kept it here
+    try:
+        from jax._src.sharding_impls import UnspecifiedValue
+    except ImportError:
+        UnspecifiedValue = None
 
 float0 = jax.dtypes.float0
 
@@ -89,6 +109,7 @@ __all__ = [
     "register_rules",
     "require_devices_during_lowering",
     "in_program_order",
+    "lower_nested_calls_in_place",
     "run_every_call",
 ]
 
@@ -267,7 +288,10 @@ def in_program_order(
             # Under a sharded jit one more operand, sharded, would be gathered.
             return lowering(ctx, *args, **params)
         # Lives as long as the module being lowered (ModuleContext has no other room).
-        last_in_block = ctx.module_context.cached_primitive_lowerings.setdefault(_LAST_CALL_WITH_EFFECTS, {})
+        room = getattr(ctx.module_context, "cached_primitive_lowerings", None)
+        if room is None:  # pragma: no cover - a JAX without it: XLA's order
+            return lowering(ctx, *args, **params)
+        last_in_block = room.setdefault(_LAST_CALL_WITH_EFFECTS, {})
         block = ir.InsertionPoint.current.block
         before = last_in_block.get(block)
         if before is not None:
@@ -284,6 +308,73 @@ def in_program_order(
 
 
 _LAST_CALL_WITH_EFFECTS = ("t2j_ad", "the last call with effects in each block")
+
+
+def lower_nested_calls_in_place(prim: Primitive, has_effects: Callable[[dict[str, Any]], bool]) -> None:
+    """Lower the calls of ``prim`` that ``has_effects`` accepts inside a
+    ``jax.jit``, ``jax.checkpoint`` or ``custom_jvp`` within a jitted
+    function into the caller's block, so that ``in_program_order`` orders
+    them with the caller's own (NOTE [calls with effects under jax.jit]):
+
+    - JAX lowers a nested ``jax.jit`` to a call of a function of its own; one
+      that holds such a call, and says nothing of shardings, layouts or
+      compiler options, outside a sharded jit, is lowered inline instead (it
+      computes the same);
+    - JAX lowers each ``checkpoint`` and ``custom_jvp`` once, aside, and
+      copies the result into the caller; they are lowered in place each
+      time instead (only lowering takes longer).
+
+    A JAX whose internals have moved keeps its own lowering."""
+    lowerings = getattr(mlir, "_lowerings", {})
+    platform_rules = getattr(mlir, "_platform_specific_lowerings", {})
+
+    def own_rule(p: Any) -> Any:
+        if p is None or any(p in rules for rules in platform_rules.values()):
+            return None
+        return lowerings.get(p)
+
+    for copied in (getattr(_ad_checkpoint, "remat_p", None), getattr(_custom_derivatives, "custom_jvp_call_p", None)):
+        entry = own_rule(copied)
+        if entry is not None:
+            _register_lowering_in_place(copied, entry.rule, inline=entry.inline)
+
+    jit_p = getattr(_pjit, "jit_p", None)
+    inline = getattr(_custom_derivatives, "_custom_jvp_vjp_call_lowering", None)
+    entry = own_rule(jit_p)
+    if inline is None or entry is None or UnspecifiedValue is None:
+        return
+
+    def plain(params: dict[str, Any]) -> bool:
+        shardings = (*params.get("in_shardings", ()), *params.get("out_shardings", ()))
+        layouts = (*params.get("in_layouts", ()), *params.get("out_layouts", ()))
+        return (
+            all(isinstance(s, UnspecifiedValue) for s in shardings)
+            and all(layout is None for layout in layouts)
+            and not params.get("compiler_options_kvs")
+        )
+
+    def jit_rule(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
+        jaxpr = params["jaxpr"]
+        if (
+            partitioned_devices(ctx) <= 1
+            and plain(params)
+            and any(has_effects(found) for found in _calls_in(prim, jaxpr.jaxpr))
+        ):
+            return inline(ctx, *args, call_jaxpr=jaxpr)
+        return entry.rule(ctx, *args, **params)
+
+    _register_lowering_in_place(jit_p, jit_rule, inline=entry.inline)
+
+
+def _register_lowering_in_place(prim: Primitive, rule: Callable[..., Any], inline: bool = True) -> None:
+    """Register ``rule`` as ``prim``'s lowering, run in the caller's block
+    each time: not through JAX's lowering cache, which lowers an equation
+    once, aside, and copies the result for equal ones (a JAX without that
+    cache has no ``cacheable``)."""
+    try:
+        mlir.register_lowering(prim, rule, inline=inline, cacheable=False)
+    except TypeError:  # pragma: no cover - no lowering cache to stay out of
+        mlir.register_lowering(prim, rule, inline=inline)
 
 
 class _Hoisting(threading.local):
@@ -399,7 +490,5 @@ def register_rules(
     batching.primitive_batchers[prim] = batch_adapter
     if _jet is not None:
         _jet.jet_rules[prim] = jet_adapter
-    # Lowered in place, each time: in_program_order reads the block it emits
-    # into, where JAX's lowering cache would lower an equation once, aside, and
-    # copy the result for equal equations.
-    mlir.register_lowering(prim, lowering, cacheable=False)
+    # in_program_order reads the block the lowering emits into.
+    _register_lowering_in_place(prim, lowering)

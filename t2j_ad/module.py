@@ -247,5 +247,6 @@ def jaxify_module(
 
     reference = dict(params)
     apply.jaxified = jaxified  # type: ignore[attr-defined]
+    apply.compile_stats = jaxified.compile_stats  # type: ignore[attr-defined]
     apply.__qualname__ = forward.__qualname__
     return apply, params

@@ -13,6 +13,7 @@ from typing import Any
 from . import backends
 from ._jax_internals import (
     in_program_order,
+    lower_nested_calls_in_place,
     register_remat_rule,
     register_rules,
     require_devices_during_lowering,
@@ -54,3 +55,4 @@ register_remat_rule(torch_call_p, never_recomputed=lambda params: is_value_call(
 # NOTE [calls with effects under jax.jit]: JAX neither drops a call that
 # draws or keeps state nor moves it out of a loop.
 run_every_call(torch_call_p, runs_every_time=_has_side_effects)
+lower_nested_calls_in_place(torch_call_p, has_effects=_has_side_effects)

@@ -95,10 +95,14 @@ PyTorch, so four places keep it:
   handed, as one more operand, the first result of the one lowered before
   it into the same block, and ignores it (``_jax_internals.in_program_order``;
   the runner drops it, ``_Runner.n_in``). An optimization barrier does not
-  do it: XLA on the CPU drops barriers and their control dependencies.
-  Calls in different jaxprs (one inside a nested ``jit``, a ``custom_jvp``,
-  a ``checkpoint``, a loop's body or a branch, the other outside it) and the
-  per-device calls of a sharded ``jit`` are still ordered by their data alone.
+  do it: XLA on the CPU drops barriers and their control dependencies. A
+  call inside a nested ``jax.jit``, ``jax.checkpoint`` or ``custom_jvp``
+  was lowered apart from its caller's block (a function of its own, or
+  lowered once and copied in), so those are lowered in place when they hold
+  such a call (``_jax_internals.lower_nested_calls_in_place``; a nested jit
+  only where it says nothing of shardings or layouts). Calls in a loop's
+  body or a branch against calls outside it, and the per-device calls of a
+  sharded ``jit``, are still ordered by their data alone.
 - Before lowering, JAX's dead-code elimination dropped a call none of whose
   outputs the jitted function uses, and a ``jit``, ``scan``, ``cond`` or
   ``while_loop`` none of whose outputs it uses: the call drew nothing, and a

@@ -174,12 +174,26 @@ def _late(x):
     return jnp.tanh(jnp.cos(x) @ jnp.ones((x.shape[0], x.shape[0]))).cumsum()
 
 
+def _custom_jvp_of(f):
+    """``f`` as a ``jax.custom_jvp`` (whose JVP is the identity's)."""
+
+    @jax.custom_jvp
+    def g(x):
+        return f(x)
+
+    g.defjvp(lambda primals, tangents: (g(*primals), tangents[0]))
+    return g
+
+
 # Each program makes calls that draw, none reading another's result, the
 # first of them on an input that is ready last.
 IN_ORDER = {
     "late_input_first": lambda f: lambda x: (f(_late(x)), f(x)),
     "three": lambda f: lambda x: (f(_late(x) * 3), f(jnp.tanh(x)), f(x)),
     "value_and_gradient": lambda f: lambda x: (f(_late(x)), jax.grad(lambda y: (f(y) ** 2).sum())(x)),
+    "nested_jits": lambda f: lambda x: (jax.jit(f)(_late(x)), jax.jit(f)(x)),
+    "inside_a_checkpoint": lambda f: lambda x: (f(_late(x)), jax.checkpoint(f)(x)),
+    "inside_a_custom_jvp": lambda f: lambda x: (_custom_jvp_of(f)(_late(x)), f(x)),
 }
 
 
@@ -189,6 +203,9 @@ def _torch_late(x):
 
 TORCH_IN_ORDER = {
     "late_input_first": lambda f: lambda x: (f(_torch_late(x)), f(x)),
+    "nested_jits": lambda f: lambda x: (f(_torch_late(x)), f(x)),
+    "inside_a_checkpoint": lambda f: lambda x: (f(_torch_late(x)), f(x)),
+    "inside_a_custom_jvp": lambda f: lambda x: (f(_torch_late(x)), f(x)),
     "three": lambda f: lambda x: (f(_torch_late(x) * 3), f(torch.tanh(x)), f(x)),
     "value_and_gradient": lambda f: lambda x: (f(_torch_late(x)), torch.func.grad(lambda y: (f(y) ** 2).sum())(x)),
 }
@@ -198,7 +215,9 @@ TORCH_IN_ORDER = {
 @pytest.mark.parametrize("program", list(IN_ORDER))
 def test_calls_that_draw_run_in_program_order_under_jit(program, mode):
     # XLA ran a call whose input was ready first before one the program
-    # makes earlier: each drew the other's numbers.
+    # makes earlier: each drew the other's numbers. Inside a nested jit, a
+    # checkpoint or a custom_jvp the call was lowered apart from the
+    # caller's, out of reach of the order.
     noise = t2j_ad.jaxify(lambda x: x + torch.randn_like(x), compile=mode)
     jitted = jax.jit(IN_ORDER[program](noise))
     jax.block_until_ready(jitted(_X))
@@ -221,10 +240,12 @@ class _Counter(torch.nn.Module):
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
-def test_calls_of_a_module_that_updates_its_state_run_in_program_order_under_jit(mode):
+@pytest.mark.parametrize("nested", [False, True])
+def test_calls_of_a_module_that_updates_its_state_run_in_program_order_under_jit(nested, mode):
     counter = _Counter().to(TORCH_DEVICE)
     apply, params = t2j_ad.jaxify_module(counter, compile=mode)
-    jitted = jax.jit(lambda x: (apply(params, _late(x)), apply(params, x)))
+    call = jax.jit(apply) if nested else apply  # a jitted step called from a jitted loop
+    jitted = jax.jit(lambda x: (call(params, _late(x)), call(params, x)))
     first, second = jitted(_X)
     assert_tree_allclose(first, _late(_X) * 1)
     assert_tree_allclose(second, _X * 2)

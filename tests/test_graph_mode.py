@@ -112,6 +112,10 @@ def test_module_in_graph_mode_matches_its_eager_twin():
     with no_fallback():
         got = per_example(apply_graph)(params, XS)
     assert_tree_allclose(got, per_example(apply_eager)(params, XS))
+    # The module's apply reports its graphs as a jaxify'd function does.
+    assert apply_graph.compile_stats() == apply_graph.jaxified.compile_stats()
+    assert apply_graph.compile_stats()["graphs"] >= 1 and apply_graph.compile_stats()["eager_fallbacks"] == 0
+    assert apply_eager.compile_stats()["graphs"] == 0
 
 
 def test_each_torch_fn_is_traced_once_and_new_values_flow_through(traces):
