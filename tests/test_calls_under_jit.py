@@ -80,15 +80,21 @@ def test_a_call_whose_outputs_go_unused_still_draws_under_jit(where, mode):
     assert torch.equal(after, expected_after)
 
 
-@pytest.mark.parametrize("mode", ["eager", "graph"])
-def test_a_module_in_training_mode_updates_its_statistics_when_its_output_goes_unused(mode):
-    # Recomputing batch-norm statistics by calling the module and dropping
-    # its output updated nothing under jax.jit.
+def _batch_norm_net(mode):
+    """A linear layer and batch norm in training mode, a copy of it for
+    PyTorch to run, its jaxify'd apply and params, and a batch."""
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4)).to(TORCH_DEVICE).train()
     reference = copy.deepcopy(module)
     apply, params = t2j_ad.jaxify_module(module, compile=mode)
-    batch = jnp.arange(24.0).reshape(3, 8) / 10
+    return module, reference, apply, params, jnp.arange(24.0).reshape(3, 8) / 10
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_module_in_training_mode_updates_its_statistics_when_its_output_goes_unused(mode):
+    # Recomputing batch-norm statistics by calling the module and dropping
+    # its output updated nothing under jax.jit.
+    module, reference, apply, params, batch = _batch_norm_net(mode)
 
     @jax.jit
     def recalibrate(p, x):
@@ -130,11 +136,7 @@ def test_the_gradient_of_a_scan_draws_a_mask_in_each_step(program, mode):
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_batch_norm_updates_once_per_step_in_the_gradient_of_a_scan(mode):
-    torch.manual_seed(0)
-    module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4)).to(TORCH_DEVICE).train()
-    reference = copy.deepcopy(module)
-    apply, params = t2j_ad.jaxify_module(module, compile=mode)
-    batch = jnp.arange(24.0).reshape(3, 8) / 10
+    module, reference, apply, params, batch = _batch_norm_net(mode)
     grad = jax.jit(jax.grad(lambda p: _scanned(lambda x: (apply(p, x) ** 2).sum())(batch)))
     got = jax.block_until_ready(grad(params))
 
