@@ -456,10 +456,7 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
             # One token per example: torch.vmap would batch it, so the
             # function runs in the loop over examples (NOTE [derivatives
             # replay the value's draws]).
-            raise RuntimeError(
-                f"{base.name} draws random numbers or updates state it keeps, which torch.vmap cannot "
-                f"replay per example; vmap_method='sequential' runs one example at a time"
-            )
+            raise per_example_refusal(base.name)
 
         def value_of(slot: int) -> torch.Tensor:
             return unpack(plain[offsets[slot] : offsets[slot + 1]], writes.layouts[slot])
@@ -581,6 +578,17 @@ def generator_around(fun: TorchFn) -> GeneratorAround | None:
     if any(isinstance(t, Vmap) and t.in_dims[token] is not None for t in fun.transforms):
         return None
     return GeneratorAround(base.generator_key, token)
+
+
+def per_example_refusal(name: str) -> RuntimeError:
+    """The error of a function that draws or keeps state, whose derivatives
+    ``jax.vmap`` batches per example under a ``vmap_method`` that asks for
+    ``torch.vmap``: its replays set a state per example, which torch.vmap
+    cannot."""
+    return RuntimeError(
+        f"{name} draws random numbers or updates state it keeps, which torch.vmap cannot "
+        f"replay per example; vmap_method='sequential' runs one example at a time"
+    )
 
 
 def draws_per_example(fun: TorchFn) -> bool:

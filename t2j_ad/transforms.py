@@ -14,7 +14,7 @@ import torch
 
 from . import functorch_levels
 from .convert import torch_dtype
-from .replayed_calls import effects, token_input
+from .replayed_calls import effects, per_example_refusal, token_input
 from .rules.fallbacks import forward_mode, reverse_mode, vmap_auto, warn_once
 from .torch_fn import Aval, Jvp, TorchFn, Transform, Vjp, Vmap
 
@@ -145,8 +145,13 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
 
     if t.method == "sequential":
         root = getattr(base, "effects_root", None)
-        if root is not None and root.vmap_method == "auto" and base.effects.writes and not base.replays:
-            _announce_loop_for_state(root)  # the value call of per-example gradients
+        if root is not None and base.effects.writes and not base.replays:  # the value call of per-example gradients
+            if root.vmap_method in ("expand_dims", "broadcast_all"):
+                # Its replays would refuse torch.vmap per example, after this
+                # loop had updated the state once per example.
+                raise per_example_refusal(base.name)
+            if root.vmap_method == "auto":
+                _announce_loop_for_state(root)
         return sequential
     if t.method == "expand_dims":
         return asked_for(expand_dims)

@@ -272,6 +272,19 @@ def test_per_example_gradients_update_state_once_per_example_as_a_loop():
     assert float(module.count) == float(twin.count) == len(_X)
 
 
+@pytest.mark.parametrize("method", ["expand_dims", "broadcast_all"])
+def test_per_example_gradients_under_a_torch_vmap_method_are_refused_before_any_update(method):
+    # The value call looped over the examples, updating the state once per
+    # example, and only then did its replays refuse torch.vmap: a call that
+    # returned nothing had counted 3 steps.
+    module = _Counter().to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(module, vmap_method=method)
+    per_example = jax.vmap(jax.grad(lambda p, x: _square(apply(p, x))), in_axes=(None, 0))
+    with pytest.raises(Exception, match="cannot replay per example; vmap_method='sequential'"):
+        jax.block_until_ready(per_example(params, _X))
+    assert float(module.count) == 0
+
+
 def test_batching_a_training_batch_norm_counts_each_example_once():
     # Batch norm counts the batch, then refuses a batched input: torch.vmap's
     # failed attempt left its count behind before the loop (4 for 3 examples).
