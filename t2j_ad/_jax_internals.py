@@ -199,7 +199,9 @@ def register_remat_rule(prim: Primitive, never_recomputed: Callable[[dict[str, A
     _pe.partial_eval_jaxpr_custom_rules[prim] = rule
 
 
-def run_every_call(prim: Primitive, runs_every_time: Callable[[dict[str, Any]], bool]) -> None:
+def run_every_call(
+    prim: Primitive, runs_every_time: Callable[[dict[str, Any]], bool], name_of: Callable[[dict[str, Any]], str]
+) -> None:
     """Make JAX run each equation of ``prim`` whose parameters
     ``runs_every_time`` accepts as often as the program says, under any
     transform (NOTE [calls with effects under jax.jit] in
@@ -211,7 +213,11 @@ def run_every_call(prim: Primitive, runs_every_time: Callable[[dict[str, Any]], 
     - ``lax.scan``'s partial evaluation (``grad`` of a scan, ``checkpoint``
       of a scan) leaves such an equation in the loop when it only reads
       loop-invariant values, where it would otherwise run once, before the
-      loop.
+      loop;
+    - partial evaluation of a ``while_loop`` that holds one with some
+      inputs unknown (``jax.linearize``) is refused: JAX runs the whole loop
+      again inside the linear function, so the call would run again there
+      (``name_of`` names it in the error).
 
     A JAX without these internals keeps its own behaviour there."""
 
@@ -246,6 +252,11 @@ def run_every_call(prim: Primitive, runs_every_time: Callable[[dict[str, Any]], 
             dce_rules[while_p] = keeping(default)
         dce_rules[prim] = own_rule
 
+    while_p = getattr(_loops, "while_p", None)
+    while_partial_eval = _pe.custom_partial_eval_rules.get(while_p)
+    if while_partial_eval is not None:
+        _pe.custom_partial_eval_rules[while_p] = _refusing_a_loop_run_again(while_partial_eval, prim, runs_every_time, name_of)
+
     hoisting = getattr(_loops, "_scan_known_hoisting", None)
     if hoisting is not None:
         _loops._scan_known_hoisting = _hoisting_none_that_holds(hoisting, holds_one_in)
@@ -255,6 +266,36 @@ def run_every_call(prim: Primitive, runs_every_time: Callable[[dict[str, Any]], 
         # there such a call is kept apart from what is known before the loop.
         _pe.partial_eval_jaxpr_custom_rules[_loops.scan_p] = _while_hoisting(custom_scan_rule)
         _pe.custom_partial_eval_rules[prim] = partial_eval_rule
+
+
+def _refusing_a_loop_run_again(
+    rule: Callable[..., Any],
+    prim: Primitive,
+    runs_every_time: Callable[[dict[str, Any]], bool],
+    name_of: Callable[[dict[str, Any]], str],
+) -> Callable[..., Any]:
+    """``while_loop``'s partial-evaluation ``rule``, refusing a loop whose
+    body or condition holds a call that must run once per step when some
+    of its inputs are unknown: JAX then runs the whole loop again in the
+    unknown part (jax.linearize's linear function), where such a call would
+    draw or update again, and the derivatives would be those of other draws."""
+
+    def partial_eval(trace: Any, *tracers: Any, **params: Any) -> Any:
+        if any(not t.pval.is_known() for t in tracers):
+            jaxprs = (params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr)
+            found = [p for jaxpr in jaxprs for p in _calls_in(prim, jaxpr) if runs_every_time(p)]
+            if found:
+                raise NotImplementedError(
+                    f"t2j_ad: {name_of(found[0])} draws random numbers or updates state it keeps, and runs in "
+                    f"a lax.while_loop being linearized (jax.linearize; reverse mode, which JAX refuses for "
+                    f"while_loop anyway): JAX runs the whole loop again inside the linear function, where "
+                    f"each call would draw or update again and the derivatives would be those of other "
+                    f"draws. Use jax.jvp or jax.jacfwd (forward mode runs the loop once), or lax.scan / "
+                    f"lax.fori_loop with static bounds, which JAX linearizes without running it again."
+                )
+        return rule(trace, *tracers, **params)
+
+    return partial_eval
 
 
 def _hoisting_none_that_holds(hoisting: Callable[..., Any], holds_one_in: Callable[[Any], bool]) -> Callable[..., Any]:

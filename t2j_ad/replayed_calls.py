@@ -117,7 +117,10 @@ PyTorch, so four places keep it:
   ``jax.grad`` a loop whose forward pass holds such a call, at any depth,
   now hoists nothing (its other loop-invariant residuals are computed and
   saved in each step, memory that grows with the length); under
-  ``jax.checkpoint`` the call itself stays in the loop.
+  ``jax.checkpoint`` the call itself stays in the loop. ``while_loop``'s
+  partial evaluation (``jax.linearize``) runs the whole loop again inside
+  the linear function, where such a call would draw or update again; that
+  is refused with an error naming the call.
 
 A call is an effect to JAX only in these rules, not in its type: a JAX
 effect would cost every jitted call of such a function JAX's Python

@@ -254,3 +254,30 @@ def test_calls_of_a_module_that_updates_its_state_run_in_program_order_under_jit
     first, second = jitted(_X)
     assert_tree_allclose((first, second), (_late(_X) * 3, _X * 4))
     assert float(counter.calls) == 4
+
+
+def _in_a_while_loop(f):
+    """``f(x) * x`` as the one step of a ``lax.while_loop``."""
+    return lambda x: jax.lax.while_loop(lambda s: s[0] < 1, lambda s: (s[0] + 1, f(s[1]) * s[1]), (0, x))[1]
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_forward_mode_through_a_while_loop_that_draws_replays_its_mask(mode):
+    f = t2j_ad.jaxify(_dropout, compile=mode)
+    ones = jnp.ones_like(_X)
+    got, after = _seeded(lambda: jax.jvp(_in_a_while_loop(f), (_X,), (ones,)))
+    expected, expected_after = _seeded(
+        lambda: torch.func.jvp(lambda x: _dropout(x) * x, (to_torch(_X),), (to_torch(ones),))
+    )
+    assert_tree_allclose(got, tuple(to_numpy(e) for e in expected), rtol=1e-6)
+    assert torch.equal(after, expected_after)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_linearizing_a_while_loop_that_draws_is_refused(mode):
+    # JAX linearizes a while_loop by running the whole loop again inside the
+    # linear function: each call of it drew new masks, and the tangents were
+    # those of other masks than the value's.
+    f = t2j_ad.jaxify(_dropout, compile=mode)
+    with pytest.raises(Exception, match="runs in a lax.while_loop being linearized"):
+        jax.linearize(_in_a_while_loop(f), _X)
