@@ -253,9 +253,23 @@ def run_every_call(
         dce_rules[prim] = own_rule
 
     while_p = getattr(_loops, "while_p", None)
+    refusal = _loop_run_again_refusal(prim, runs_every_time, name_of)
     while_partial_eval = _pe.custom_partial_eval_rules.get(while_p)
     if while_partial_eval is not None:
-        _pe.custom_partial_eval_rules[while_p] = _refusing_a_loop_run_again(while_partial_eval, prim, runs_every_time, name_of)
+
+        def while_rule(trace: Any, *tracers: Any, **params: Any) -> Any:
+            refusal([not t.pval.is_known() for t in tracers], params)
+            return while_partial_eval(trace, *tracers, **params)
+
+        _pe.custom_partial_eval_rules[while_p] = while_rule
+    while_remat_rule = _pe.partial_eval_jaxpr_custom_rules.get(while_p)
+    if while_remat_rule is not None:  # the same under jax.checkpoint
+
+        def while_checkpointed(saveable: Any, unks_in: Sequence[bool], inst_in: Any, eqn: Any) -> Any:
+            refusal(unks_in, eqn.params)
+            return while_remat_rule(saveable, unks_in, inst_in, eqn)
+
+        _pe.partial_eval_jaxpr_custom_rules[while_p] = while_checkpointed
 
     hoisting = getattr(_loops, "_scan_known_hoisting", None)
     if hoisting is not None:
@@ -268,34 +282,34 @@ def run_every_call(
         _pe.custom_partial_eval_rules[prim] = partial_eval_rule
 
 
-def _refusing_a_loop_run_again(
-    rule: Callable[..., Any],
+def _loop_run_again_refusal(
     prim: Primitive,
     runs_every_time: Callable[[dict[str, Any]], bool],
     name_of: Callable[[dict[str, Any]], str],
-) -> Callable[..., Any]:
-    """``while_loop``'s partial-evaluation ``rule``, refusing a loop whose
-    body or condition holds a call that must run once per step when some
-    of its inputs are unknown: JAX then runs the whole loop again in the
+) -> Callable[[Sequence[bool], dict[str, Any]], None]:
+    """A check for ``while_loop``'s partial evaluation (its own rule, and
+    its rule under ``jax.checkpoint``): it refuses a loop whose body or
+    condition holds a call that must run once per step when some of the
+    loop's inputs are unknown. JAX then runs the whole loop again in the
     unknown part (jax.linearize's linear function), where such a call would
     draw or update again, and the derivatives would be those of other draws."""
 
-    def partial_eval(trace: Any, *tracers: Any, **params: Any) -> Any:
-        if any(not t.pval.is_known() for t in tracers):
-            jaxprs = (params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr)
-            found = [p for jaxpr in jaxprs for p in _calls_in(prim, jaxpr) if runs_every_time(p)]
-            if found:
-                raise NotImplementedError(
-                    f"t2j_ad: {name_of(found[0])} draws random numbers or updates state it keeps, and runs in "
-                    f"a lax.while_loop being linearized (jax.linearize; reverse mode, which JAX refuses for "
-                    f"while_loop anyway): JAX runs the whole loop again inside the linear function, where "
-                    f"each call would draw or update again and the derivatives would be those of other "
-                    f"draws. Use jax.jvp or jax.jacfwd (forward mode runs the loop once), or lax.scan / "
-                    f"lax.fori_loop with static bounds, which JAX linearizes without running it again."
-                )
-        return rule(trace, *tracers, **params)
+    def refuse(unknowns: Sequence[bool], params: dict[str, Any]) -> None:
+        if not any(unknowns):
+            return
+        jaxprs = (params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr)
+        found = [p for jaxpr in jaxprs for p in _calls_in(prim, jaxpr) if runs_every_time(p)]
+        if found:
+            raise NotImplementedError(
+                f"t2j_ad: {name_of(found[0])} draws random numbers or updates state it keeps, and runs in "
+                f"a lax.while_loop being linearized (jax.linearize; reverse mode, which JAX refuses for "
+                f"while_loop anyway): JAX runs the whole loop again inside the linear function, where "
+                f"each call would draw or update again and the derivatives would be those of other "
+                f"draws. Use jax.jvp or jax.jacfwd (forward mode runs the loop once), or lax.scan / "
+                f"lax.fori_loop with static bounds, which JAX linearizes without running it again."
+            )
 
-    return partial_eval
+    return refuse
 
 
 def _hoisting_none_that_holds(hoisting: Callable[..., Any], holds_one_in: Callable[[Any], bool]) -> Callable[..., Any]:
