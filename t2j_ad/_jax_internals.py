@@ -224,6 +224,22 @@ def run_every_call(
     def holds_one_in(jaxpr: Any) -> bool:
         return any(runs_every_time(params) for params in _calls_in(prim, jaxpr))
 
+    while_p = getattr(_loops, "while_p", None)
+    _keep_unused_calls(prim, runs_every_time, holds_one_in, while_p)
+    _refuse_while_loops_run_again(_loop_run_again_refusal(prim, runs_every_time, name_of), while_p)
+    _keep_calls_in_scans(prim, runs_every_time, holds_one_in)
+
+
+def _keep_unused_calls(
+    prim: Primitive, runs_every_time: Callable[[dict[str, Any]], bool], holds_one_in: Callable[[Any], bool], while_p: Any
+) -> None:
+    """Dead-code rules: ``prim``'s keeps an equation ``runs_every_time``
+    accepts; every rule of a primitive that holds jaxprs keeps an equation
+    that holds one, as if all its outputs were used."""
+    dce_rules = getattr(_pe, "dce_rules", None)
+    if dce_rules is None:
+        return
+
     def own_rule(used_outs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
         if any(used_outs) or runs_every_time(eqn.params):
             return [True] * len(eqn.invars), eqn
@@ -237,23 +253,17 @@ def run_every_call(
 
         return container_rule
 
-    def partial_eval_rule(trace: Any, *tracers: Any, **params: Any) -> Any:
-        if _hoisting.depth and runs_every_time(params):
-            tracers = tuple(trace.instantiate_const(t) for t in tracers)  # not known: stays in the loop
-        return trace.default_process_primitive(prim, tracers, params)
+    for container, rule in list(dce_rules.items()):
+        dce_rules[container] = keeping(rule)
+    default = getattr(_pe, "_default_dce_rule", None)
+    if while_p is not None and default is not None and while_p not in dce_rules:
+        dce_rules[while_p] = keeping(default)  # while_loop has no rule of its own
+    dce_rules[prim] = own_rule
 
-    dce_rules = getattr(_pe, "dce_rules", None)
-    if dce_rules is not None:
-        for container, rule in list(dce_rules.items()):
-            dce_rules[container] = keeping(rule)
-        while_p = getattr(_loops, "while_p", None)
-        default = getattr(_pe, "_default_dce_rule", None)
-        if while_p is not None and default is not None and while_p not in dce_rules:
-            dce_rules[while_p] = keeping(default)
-        dce_rules[prim] = own_rule
 
-    while_p = getattr(_loops, "while_p", None)
-    refusal = _loop_run_again_refusal(prim, runs_every_time, name_of)
+def _refuse_while_loops_run_again(refusal: Callable[[Sequence[bool], dict[str, Any]], None], while_p: Any) -> None:
+    """``while_loop``'s partial-evaluation rules, its own and the one under
+    ``jax.checkpoint``, each checked by ``refusal`` first."""
     while_partial_eval = _pe.custom_partial_eval_rules.get(while_p)
     if while_partial_eval is not None:
 
@@ -263,7 +273,7 @@ def run_every_call(
 
         _pe.custom_partial_eval_rules[while_p] = while_rule
     while_remat_rule = _pe.partial_eval_jaxpr_custom_rules.get(while_p)
-    if while_remat_rule is not None:  # the same under jax.checkpoint
+    if while_remat_rule is not None:
 
         def while_checkpointed(saveable: Any, unks_in: Sequence[bool], inst_in: Any, eqn: Any) -> Any:
             refusal(unks_in, eqn.params)
@@ -271,15 +281,30 @@ def run_every_call(
 
         _pe.partial_eval_jaxpr_custom_rules[while_p] = while_checkpointed
 
+
+def _keep_calls_in_scans(
+    prim: Primitive, runs_every_time: Callable[[dict[str, Any]], bool], holds_one_in: Callable[[Any], bool]
+) -> None:
+    """``lax.scan``'s hoisting of loop-invariant work out of the loop, off
+    for a loop that holds an equation ``runs_every_time`` accepts (under
+    ``jax.grad``); under ``jax.checkpoint``, such an equation is not known
+    before the loop."""
     hoisting = getattr(_loops, "_scan_known_hoisting", None)
     if hoisting is not None:
         _loops._scan_known_hoisting = _hoisting_none_that_holds(hoisting, holds_one_in)
     custom_scan_rule = _pe.partial_eval_jaxpr_custom_rules.get(getattr(_loops, "scan_p", None))
-    if custom_scan_rule is not None:
-        # Under jax.checkpoint the scan rule hoists by partial evaluation:
-        # there such a call is kept apart from what is known before the loop.
-        _pe.partial_eval_jaxpr_custom_rules[_loops.scan_p] = _while_hoisting(custom_scan_rule)
-        _pe.custom_partial_eval_rules[prim] = partial_eval_rule
+    if custom_scan_rule is None:
+        return
+
+    def partial_eval_rule(trace: Any, *tracers: Any, **params: Any) -> Any:
+        if _hoisting.depth and runs_every_time(params):
+            tracers = tuple(trace.instantiate_const(t) for t in tracers)  # not known: stays in the loop
+        return trace.default_process_primitive(prim, tracers, params)
+
+    # Under jax.checkpoint the scan rule hoists by partial evaluation: there
+    # such a call is kept apart from what is known before the loop.
+    _pe.partial_eval_jaxpr_custom_rules[_loops.scan_p] = _while_hoisting(custom_scan_rule)
+    _pe.custom_partial_eval_rules[prim] = partial_eval_rule
 
 
 def _loop_run_again_refusal(
