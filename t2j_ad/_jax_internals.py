@@ -200,10 +200,10 @@ def register_remat_rule(prim: Primitive, never_recomputed: Callable[[dict[str, A
 
 
 def run_every_call(
-    prim: Primitive, runs_every_time: Callable[[dict[str, Any]], bool], name_of: Callable[[dict[str, Any]], str]
+    prim: Primitive, has_effects: Callable[[dict[str, Any]], bool], name_of: Callable[[dict[str, Any]], str]
 ) -> None:
     """Make JAX run each equation of ``prim`` whose parameters
-    ``runs_every_time`` accepts as often as the program says, under any
+    ``has_effects`` accepts as often as the program says, under any
     transform (NOTE [calls with effects under jax.jit] in
     ``replayed_calls.py``):
 
@@ -221,19 +221,17 @@ def run_every_call(
 
     A JAX without these internals keeps its own behaviour there."""
 
-    def holds_one_in(jaxpr: Any) -> bool:
-        return any(runs_every_time(params) for params in _calls_in(prim, jaxpr))
-
+    holds_one_in = functools.partial(_holds_one, prim, has_effects)
     while_p = getattr(_loops, "while_p", None)
-    _keep_unused_calls(prim, runs_every_time, holds_one_in, while_p)
-    _refuse_while_loops_run_again(_loop_run_again_refusal(prim, runs_every_time, name_of), while_p)
-    _keep_calls_in_scans(prim, runs_every_time, holds_one_in)
+    _keep_unused_calls(prim, has_effects, holds_one_in, while_p)
+    _refuse_while_loops_run_again(_loop_run_again_refusal(prim, has_effects, name_of), while_p)
+    _keep_calls_in_scans(prim, has_effects, holds_one_in)
 
 
 def _keep_unused_calls(
-    prim: Primitive, runs_every_time: Callable[[dict[str, Any]], bool], holds_one_in: Callable[[Any], bool], while_p: Any
+    prim: Primitive, has_effects: Callable[[dict[str, Any]], bool], holds_one_in: Callable[[Any], bool], while_p: Any
 ) -> None:
-    """Dead-code rules: ``prim``'s keeps an equation ``runs_every_time``
+    """Dead-code rules: ``prim``'s keeps an equation ``has_effects``
     accepts; every rule of a primitive that holds jaxprs keeps an equation
     that holds one, as if all its outputs were used."""
     dce_rules = getattr(_pe, "dce_rules", None)
@@ -241,7 +239,7 @@ def _keep_unused_calls(
         return
 
     def own_rule(used_outs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
-        if any(used_outs) or runs_every_time(eqn.params):
+        if any(used_outs) or has_effects(eqn.params):
             return [True] * len(eqn.invars), eqn
         return [False] * len(eqn.invars), None
 
@@ -283,10 +281,10 @@ def _refuse_while_loops_run_again(refusal: Callable[[Sequence[bool], dict[str, A
 
 
 def _keep_calls_in_scans(
-    prim: Primitive, runs_every_time: Callable[[dict[str, Any]], bool], holds_one_in: Callable[[Any], bool]
+    prim: Primitive, has_effects: Callable[[dict[str, Any]], bool], holds_one_in: Callable[[Any], bool]
 ) -> None:
     """``lax.scan``'s hoisting of loop-invariant work out of the loop, off
-    for a loop that holds an equation ``runs_every_time`` accepts (under
+    for a loop that holds an equation ``has_effects`` accepts (under
     ``jax.grad``); under ``jax.checkpoint``, such an equation is not known
     before the loop."""
     hoisting = getattr(_loops, "_scan_known_hoisting", None)
@@ -297,7 +295,7 @@ def _keep_calls_in_scans(
         return
 
     def partial_eval_rule(trace: Any, *tracers: Any, **params: Any) -> Any:
-        if _hoisting.depth and runs_every_time(params):
+        if _hoisting.depth and has_effects(params):
             tracers = tuple(trace.instantiate_const(t) for t in tracers)  # not known: stays in the loop
         return trace.default_process_primitive(prim, tracers, params)
 
@@ -309,7 +307,7 @@ def _keep_calls_in_scans(
 
 def _loop_run_again_refusal(
     prim: Primitive,
-    runs_every_time: Callable[[dict[str, Any]], bool],
+    has_effects: Callable[[dict[str, Any]], bool],
     name_of: Callable[[dict[str, Any]], str],
 ) -> Callable[[Sequence[bool], dict[str, Any]], None]:
     """A check for ``while_loop``'s partial evaluation (its own rule, and
@@ -323,7 +321,7 @@ def _loop_run_again_refusal(
         if not any(unknowns):
             return
         jaxprs = (params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr)
-        found = [p for jaxpr in jaxprs for p in _calls_in(prim, jaxpr) if runs_every_time(p)]
+        found = [p for jaxpr in jaxprs for p in _calls_in(prim, jaxpr) if has_effects(p)]
         if found:
             raise NotImplementedError(
                 f"t2j_ad: {name_of(found[0])} draws random numbers or updates state it keeps, and runs in "
@@ -379,9 +377,9 @@ def in_program_order(
             ctx = ctx.replace(avals_in=(*ctx.avals_in, aval))
             args = (*args, value)
         outs = lowering(ctx, *args, **params)
-        results = [v for out in outs for v in (out if isinstance(out, (list, tuple)) else [out])]
-        if results:
-            last_in_block[block] = (results[0], ctx.avals_out[0])
+        if outs:
+            first = outs[0]
+            last_in_block[block] = (first[0] if isinstance(first, (list, tuple)) else first, ctx.avals_out[0])
         return outs
 
     return rule
@@ -438,7 +436,7 @@ def lower_nested_calls_in_place(prim: Primitive, has_effects: Callable[[dict[str
         if (
             partitioned_devices(ctx) <= 1
             and plain(params)
-            and any(has_effects(found) for found in _calls_in(prim, jaxpr.jaxpr))
+            and _holds_one(prim, has_effects, jaxpr.jaxpr)
         ):
             return inline(ctx, *args, call_jaxpr=jaxpr)
         return entry.rule(ctx, *args, **params)
@@ -477,6 +475,12 @@ def _while_hoisting(fun: Callable[..., Any]) -> Callable[..., Any]:
             _hoisting.depth -= 1
 
     return wrapper
+
+
+def _holds_one(prim: Primitive, has_effects: Callable[[dict[str, Any]], bool], jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` holds, at any depth, an equation of ``prim`` whose
+    parameters ``has_effects`` accepts."""
+    return any(has_effects(params) for params in _calls_in(prim, jaxpr))
 
 
 def _calls_in(prim: Primitive, jaxpr: Any) -> list[dict[str, Any]]:

@@ -92,6 +92,17 @@ class RandomOpsSeen(_GeneratorsPutBack):
         return func(*args, **(kwargs or {}))
 
 
+def unreplayable_given_draws(name: str, drawn: str, inferred: int) -> RuntimeError:
+    """The error of a function that drew ``drawn`` from generators passed as
+    ``generator=`` where shape inference saw ``inferred`` draws: its
+    derivatives cannot match each draw to the value's."""
+    return RuntimeError(
+        f"{name} drew {drawn} from generators passed as generator=, where {inferred} were seen when its "
+        f"shapes were inferred, so its derivatives cannot replay the value's draws; draw from them a fixed "
+        f"number of times, whatever the input's values"
+    )
+
+
 class GeneratorStatesKept(TorchDispatchMode):
     """Within the block, the state of each generator passed as
     ``generator=`` just before each draw from it, in order (``states``):
@@ -125,11 +136,7 @@ class GeneratorStatesReplayed(_GeneratorsPutBack):
         generator = _given_generator(func, kwargs)
         if generator is not None:
             if self._at == self._draws:
-                raise RuntimeError(
-                    f"{self._name} drew from a generator passed as generator= more often than when its shapes "
-                    f"were inferred ({self._draws} times), so its derivatives cannot replay the value's draws; "
-                    f"draw from it a fixed number of times, whatever the input's values"
-                )
+                raise unreplayable_given_draws(self._name, "more times", self._draws)
             self._note(generator)
             now = generator.get_state()
             generator.set_state(self._state_of(self._at, now.numel()))

@@ -54,5 +54,5 @@ require_devices_during_lowering(torch_call_p)  # the partitioned lowering reads 
 register_remat_rule(torch_call_p, never_recomputed=lambda params: is_value_call(params["fun"].base))
 # NOTE [calls with effects under jax.jit]: JAX neither drops a call that
 # draws or keeps state nor moves it out of a loop.
-run_every_call(torch_call_p, runs_every_time=_has_side_effects, name_of=lambda params: repr(params["fun"].name))
+run_every_call(torch_call_p, has_effects=_has_side_effects, name_of=lambda params: repr(params["fun"].name))
 lower_nested_calls_in_place(torch_call_p, has_effects=_has_side_effects)

@@ -159,7 +159,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .dropout_layouts import row_major_dropout
 from .functorch_levels import outside_transforms, unbatched_value
 from .module_modes import ModuleModes, modes_hold
-from .random_state import GeneratorStatesKept, GeneratorStatesReplayed
+from .random_state import GeneratorStatesKept, GeneratorStatesReplayed, unreplayable_given_draws
 from .state_writes import (
     NO_WRITES,
     ReplayedBindings,
@@ -415,11 +415,7 @@ def _keeping(base: BaseFn, seen: Effects) -> BaseFn:
             outputs = fn(*inputs)
         if seen.given_draws:
             if len(given.states) != seen.given_draws:
-                raise RuntimeError(
-                    f"{base.name} drew {len(given.states)} times from generators passed as generator=, where "
-                    f"{seen.given_draws} were seen when its shapes were inferred, so its derivatives cannot "
-                    f"replay the value's draws; draw from them a fixed number of times, whatever the input's values"
-                )
+                raise unreplayable_given_draws(base.name, f"{len(given.states)} times", seen.given_draws)
             pieces[int(seen.draws_random) : first] = [_padded(state) for state in given.states]
         with outside_transforms():
             for at, size in enumerate(sizes):

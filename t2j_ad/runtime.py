@@ -561,8 +561,8 @@ class _RunnerWithEffects(_Runner):
         return mode
 
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
-        if len(inputs) != self.n_in:
-            inputs = inputs[: self.n_in]  # the order input (_Runner.n_in)
+        # An order input (_Runner.n_in) trails the function's own: the
+        # generator reads the token by its index, and super() drops it.
         if self.checks_flags and not effects_now(self.base).same_as(traced_for(self.base)):
             raise TorchCallError(
                 f"{self.name}: the modules it runs changed training mode (module.train() or .eval()) since "

@@ -465,3 +465,18 @@ def test_draws_from_a_generator_the_function_is_given_are_replayed(case, mode):
         expected = reference(to_torch(arg))
     assert_tree_allclose(got, jax.tree_util.tree_map(to_numpy, expected), rtol=1e-5, atol=1e-5)
     assert torch.equal(after, torch.rand(3, generator=generator, device=TORCH_DEVICE))
+
+
+def test_draws_from_a_given_generator_whose_count_depends_on_the_input_are_refused():
+    # Shape inference (on zeros) saw one draw; the value call makes two, so
+    # its derivatives could not match each draw to the value's.
+    generator = torch.Generator(device=TORCH_DEVICE)
+
+    def drawn(x):
+        draws = 2 if bool(x.sum() > 0) else 1
+        noise = sum(torch.randn(x.shape, generator=generator, device=x.device) for _ in range(draws))
+        return x * noise
+
+    f = t2j_ad.jaxify(drawn)
+    with pytest.raises(Exception, match="drew 2 times from generators passed as generator=, where 1 were seen"):
+        jax.block_until_ready(jax.grad(lambda x: f(x).sum())(_X))
