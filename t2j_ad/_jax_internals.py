@@ -90,7 +90,18 @@ except ImportError:  # pragma: no cover - older JAX kept it here
     except ImportError:
         UnspecifiedValue = None
 
+# A client that compiles for a described topology (AOT cross-compilation,
+# jax.experimental.topologies) and runs nothing: it takes host callbacks
+# only as capsules (NOTE [registry lifetime] in backends/registry.py).
+try:
+    from jax._src.lib import _jax as _jaxlib_ext
+
+    _CompileOnlyClient = getattr(_jaxlib_ext, "CompileOnlyPyClient", None)
+except ImportError:  # pragma: no cover - another jaxlib layout
+    _CompileOnlyClient = None
+
 float0 = jax.dtypes.float0
+
 
 __all__ = [
     "ArrayMapping",
@@ -99,6 +110,7 @@ __all__ = [
     "Primitive",
     "ShapedArray",
     "buffer_callback",
+    "compiles_only",
     "float0",
     "hold_weakly_in_jax_caches",
     "lower_fun",
@@ -112,6 +124,13 @@ __all__ = [
     "lower_nested_calls_in_place",
     "run_every_call",
 ]
+
+
+def compiles_only(module_context: Any) -> bool:
+    """Whether ``module_context`` (a lowering's ``ctx.module_context``) is
+    lowered for a compile-only client, whose executables never run here."""
+    backend = getattr(module_context, "backend", None)
+    return _CompileOnlyClient is not None and isinstance(backend, _CompileOnlyClient)
 
 
 def hold_weakly_in_jax_caches(cls: type) -> None:
@@ -342,10 +361,13 @@ def _hoisting_none_that_holds(hoisting: Callable[..., Any], holds_one_in: Callab
     it off), however deep the call sits (in a ``jit``, ``custom_jvp``...)."""
 
     @functools.wraps(hoisting)
-    def wrapper(jaxpr_known: Any, known_consts: Any, num_res: int) -> Any:
-        if holds_one_in(jaxpr_known.jaxpr):
+    def wrapper(jaxpr_known: Any, known_consts: Any, num_res: int, *more: Any) -> Any:
+        # JAX 0.11 passes one more count (residuals that are not hoisted
+        # anyway); both return one flag per hoistable residual, the third
+        # argument's count, and take the loop's jaxpr back unchanged.
+        if holds_one_in(getattr(jaxpr_known, "jaxpr", jaxpr_known)):
             return jaxpr_known, known_consts, [False] * num_res, []
-        return hoisting(jaxpr_known, known_consts, num_res)
+        return hoisting(jaxpr_known, known_consts, num_res, *more)
 
     return wrapper
 
