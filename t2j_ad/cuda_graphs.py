@@ -7,9 +7,15 @@ call new buffers. So the graph is captured over static input tensors of its
 own (in a private memory pool), and each call copies XLA's inputs into them,
 replays the graph, and copies the graph's static outputs into XLA's output
 buffers -- all three on the current stream, which the runner has set to
-XLA's. The first call warms the function up on a side stream of the call's
-device (lazy cuBLAS handles, allocator growth must not happen during
-capture) and captures it on that stream. The runner replays only once a
+XLA's. The first call runs the function on a side stream of the call's
+device, which warms it up for capture (lazy cuBLAS handles, allocator
+growth must not happen during capture), and captures it on that stream. That
+run is the call itself: its results are the call's, and the capture, which
+runs nothing, is first replayed by the next call. A function that draws or
+updates state it keeps thus draws and updates once per call (the warm-up
+was a run of its own, before a replay made the call: found on an H200, a
+batch-norm module counted 3 batches after 2 calls, and a plain call of
+dropout left PyTorch's generator two draws on). The runner replays only once a
 call has shown that the function leaves its inputs alone: a replay reads
 copies, so it could not see a write into XLA's buffers to refuse it.
 
@@ -38,6 +44,8 @@ from .rules.fallbacks import FallbackWarning
 
 Flat = Callable[..., tuple[torch.Tensor, ...]]
 
+_one_capture = threading.Lock()
+
 
 class CudaGraphCall:
     """``run`` (a graph replay or an inductor kernel) as one CUDA graph."""
@@ -55,51 +63,70 @@ class CudaGraphCall:
         self.done: Any = None  # recorded by the previous call ...
         self.done_on: Any = None  # ... on this stream
 
-    def _capture(self, inputs: Sequence[torch.Tensor]) -> None:
+    def _first_call(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
+        """This call, run on a side stream (the capture's warm-up), then the
+        capture; the call's results, or None when the run itself failed."""
         current = torch.cuda.current_stream()
-        self.static_inputs = [torch.empty_like(t) for t in inputs]
+        static_inputs = [torch.empty_like(t) for t in inputs]
         side = torch.cuda.Stream(device=current.device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for static, t in zip(self.static_inputs, inputs):
-                static.copy_(t)
-            self.run(*self.static_inputs)  # warm-up, outside the capture
+        try:
+            with torch.cuda.stream(side):
+                for static, t in zip(static_inputs, inputs):
+                    static.copy_(t)
+                results = tuple(self.run(*static_inputs))
+        except Exception as err:  # noqa: BLE001 - the caller runs it again, raising as usual
+            self._refused(err)
+            return None
         current.wait_stream(side)
+        for r in results:
+            if r.is_cuda:
+                r.record_stream(current)  # read there, by the copies into XLA's buffers
         graph = torch.cuda.CUDAGraph()
-        # thread_local: XLA's own threads keep launching work while this one
-        # captures; "global" would make their CUDA calls fail meanwhile.
-        # stream=side: torch.cuda.graph's default capture stream is made once
-        # per process, on the device current then; entering it makes that
-        # device current, so another GPU's kernels would run uncaptured and
-        # every replay would hand back the capture's outputs.
-        with torch.cuda.graph(
-            graph, pool=torch.cuda.graph_pool_handle(), stream=side, capture_error_mode="thread_local"
-        ):
-            outs = self.run(*self.static_inputs)
+        try:
+            # thread_local: XLA's own threads keep launching work while this
+            # one captures; "global" would make their CUDA calls fail
+            # meanwhile. stream=side: torch.cuda.graph's default capture
+            # stream is made once per process, on the device current then;
+            # entering it makes that device current, so another GPU's kernels
+            # would run uncaptured and every replay would hand back the
+            # capture's outputs.
+            # One capture at a time in the process: two threads' first calls
+            # capturing at once failed on an H200 ("operation failed due to a
+            # previous error during capture").
+            with _one_capture, torch.cuda.graph(
+                graph, pool=torch.cuda.graph_pool_handle(), stream=side, capture_error_mode="thread_local"
+            ):
+                outs = self.run(*static_inputs)
+        except Exception as err:  # noqa: BLE001 - capture refused: later calls run without it
+            self._refused(err)
+            return results
+        self.static_inputs = static_inputs
         self.static_outputs = tuple(outs)
         self.graph = graph
+        return results
+
+    def _refused(self, err: Exception) -> None:
+        self.failed = True
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        warnings.warn(
+            f"t2j_ad: the graph of {self.name!r} could not be captured as a CUDA graph "
+            f"({type(err).__name__}: {first_line}); it runs as a plain aten graph on XLA's stream instead.",
+            FallbackWarning,
+            stacklevel=4,
+        )
 
     def __call__(self, stream: torch.cuda.Stream, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """Replay into the static outputs; None when capture failed (run the
-        function itself then). ``stream`` is the current stream, passed in
-        because ``torch.cuda.current_stream()`` costs microseconds per call.
-        The caller copies the result while holding ``lock`` and then calls
+        """This call's results: a replay's static outputs, or the first
+        call's own; None when the function must run without a CUDA graph.
+        ``stream`` is the current stream, passed in because
+        ``torch.cuda.current_stream()`` costs microseconds per call. The
+        caller copies the result while holding ``lock`` and then calls
         ``finished``."""
         if self.failed:
             return None
         if self.graph is None:
-            try:
-                self._capture(inputs)
-            except Exception as err:  # noqa: BLE001 - capture refused: replay without it
-                self.failed = True
-                warnings.warn(
-                    f"t2j_ad: the graph of {self.name!r} could not be captured as a CUDA graph "
-                    f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}); "
-                    f"it runs as a plain aten graph on XLA's stream instead.",
-                    FallbackWarning,
-                    stacklevel=3,
-                )
-                return None
+            return self._first_call(inputs)
         if self.done_on is not None and self.done_on is not stream:
             stream.wait_event(self.done)
         for static, t in zip(self.static_inputs, inputs):

@@ -2,16 +2,19 @@
 on CPU stand-ins for streams, events and the captured graph: a call on
 another stream than the previous call's waits for that call's record of
 the event, a call on the same stream queues no wait, and one event serves
-every call; the capture runs on a stream of the call's device. The replay itself on a GPU is checked by the graph-mode tests
+every call; the capture runs on a stream of the call's device; the first call
+runs the function once, as every later call's replay does. The replay itself on a GPU is checked by the graph-mode tests
 run with T2J_AD_COMPILE=graph (scripts/run_gpu_checks.sh)."""
 
 from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 from t2j_ad.cuda_graphs import CudaGraphCall
+from t2j_ad.rules.fallbacks import FallbackWarning
 
 
 class RecordedEvent:
@@ -40,13 +43,15 @@ class RecordedStream:
 
 
 class ReplayOnCpu(CudaGraphCall):
-    """Captures nothing: the static buffers as ``_capture`` makes them, and a
-    "graph" whose replay runs the function from the static inputs into the
-    static outputs, as a CUDA graph replay does."""
+    """Captures nothing: the static buffers as ``_first_call`` makes them,
+    the first call's results its own run's, and a "graph" whose replay runs
+    the function from the static inputs into the static outputs, as a CUDA
+    graph replay does."""
 
-    def _capture(self, inputs):
+    def _first_call(self, inputs):
         self.static_inputs = [torch.empty_like(t) for t in inputs]
-        self.static_outputs = tuple(torch.empty_like(out) for out in self.run(*inputs))
+        results = tuple(self.run(*inputs))
+        self.static_outputs = tuple(torch.empty_like(out) for out in results)
         call = self
 
         class Graph:
@@ -55,6 +60,7 @@ class ReplayOnCpu(CudaGraphCall):
                     static.copy_(out)
 
         self.graph = Graph()
+        return results
 
 
 def _call(graph: CudaGraphCall, stream: RecordedStream, x: torch.Tensor) -> torch.Tensor:
@@ -93,11 +99,11 @@ class DeviceStream:
         self.waited.append(other)
 
 
-def test_capture_runs_on_a_side_stream_of_the_calls_device(monkeypatch):
-    # torch.cuda.graph's own default capture stream lives on whichever device
-    # was current when it was first made; capturing another GPU's call there
-    # would record none of its kernels.
-    xla = DeviceStream("cuda:1")  # the call's (current) stream
+def _stub_cuda(monkeypatch, xla: DeviceStream, capturing: list[bool], replays: list[str] | None = None):
+    """torch.cuda's streams, graphs and capture as CPU stand-ins: the current
+    stream is ``xla``; streams made are returned; each capture is listed
+    (its stream and error mode), ``capturing[0]`` is True within it (where a
+    real capture runs no kernel), and a replay appends to ``replays``."""
     made: list[DeviceStream] = []
     captures: list[tuple[DeviceStream, str]] = []
 
@@ -105,24 +111,78 @@ def test_capture_runs_on_a_side_stream_of_the_calls_device(monkeypatch):
         made.append(DeviceStream(device))
         return made[-1]
 
+    @contextlib.contextmanager
     def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
         captures.append((stream, capture_error_mode))
-        return contextlib.nullcontext()
+        capturing[0] = True
+        try:
+            yield
+        finally:
+            capturing[0] = False
+
+    class Graph:
+        def replay(self) -> None:
+            replays.append("replay")
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: xla)
     monkeypatch.setattr(torch.cuda, "Stream", new_stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "graph", graph)
+    return made, captures
 
+
+def test_capture_runs_on_a_side_stream_of_the_calls_device(monkeypatch):
+    # torch.cuda.graph's own default capture stream lives on whichever device
+    # was current when it was first made; capturing another GPU's call there
+    # would record none of its kernels.
+    xla = DeviceStream("cuda:1")  # the call's (current) stream
+    made, captures = _stub_cuda(monkeypatch, xla, [False])
     call = CudaGraphCall(lambda x: (torch.sin(x) * 2,), "sin2", new_event=RecordedEvent)
     x = torch.linspace(-1.0, 1.0, 8)
-    call._capture([x])
+    (result,) = call(xla, x)
     (side,) = made
     assert side.device == "cuda:1"
     assert captures == [(side, "thread_local")]
-    # The warm-up on the side stream follows XLA's queued work, and XLA's stream follows it.
+    # The first run on the side stream follows XLA's queued work, and XLA's stream follows it.
     assert side.waited == [xla] and xla.waited == [side]
+    torch.testing.assert_close(result, torch.sin(x) * 2)
     torch.testing.assert_close(call.static_inputs[0], x)
-    torch.testing.assert_close(call.static_outputs[0], torch.sin(x) * 2)
+
+
+def test_the_first_call_runs_the_function_once_and_later_calls_replay_once(monkeypatch):
+    # The warm-up before the capture was a run of its own, and the first
+    # call's results came from a replay after it: a function that updates
+    # state or draws ran twice in that call (an H200: a batch-norm module
+    # counted 3 batches after 2 calls).
+    xla = DeviceStream("cuda:0")
+    capturing, runs = [False], []
+    _stub_cuda(monkeypatch, xla, capturing, replays=runs)
+
+    def doubled(x):
+        if not capturing[0]:  # a capture records kernels and runs none
+            runs.append("run")
+        return (x * 2,)
+
+    call = CudaGraphCall(doubled, "doubled", new_event=RecordedEvent)
+    x = torch.arange(4.0)
+    (result,) = call(xla, x)
+    torch.testing.assert_close(result, x * 2)
+    assert runs == ["run"]
+    assert call(xla, x + 1) is call.static_outputs
+    assert runs == ["run", "replay"]
+
+
+def test_a_first_run_that_raises_is_left_to_the_caller(monkeypatch):
+    # The caller runs the function again without a CUDA graph, which raises
+    # the function's own error as any call does.
+    _stub_cuda(monkeypatch, DeviceStream("cuda:0"), [False])
+
+    def broken(x):
+        raise ValueError("no")
+
+    call = CudaGraphCall(broken, "broken", new_event=RecordedEvent)
+    with pytest.warns(FallbackWarning, match="could not be captured"):
+        assert call(DeviceStream("cuda:0"), torch.ones(2)) is None
+    assert call.failed and call.graph is None
