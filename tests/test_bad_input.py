@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import t2j_ad
+from conftest import TORCH_DEVICE
 
 # What JAX raises when a callback fails at run time.
 RUNTIME_ERRORS = (t2j_ad.TorchCallError, jax.errors.JaxRuntimeError)
@@ -78,7 +79,7 @@ def test_exception_inside_torch_is_reraised_and_process_keeps_working(use_jit):
 
 def test_exception_at_trace_time_carries_torch_message():
     def bad_shapes(x):
-        return x @ torch.ones(5, 7)
+        return x @ torch.ones(5, 7, device=x.device)
 
     with pytest.raises(t2j_ad.TorchCallError, match="cannot be multiplied"):
         jax.jit(t2j_ad.jaxify(bad_shapes))(jnp.ones((2, 3)))
@@ -168,7 +169,10 @@ def _first_rows_by_value(x: torch.Tensor) -> torch.Tensor:
     ("fn", "source"),
     [
         (_first_row_on_meta, r"but \(1,\) was expected, as inferred on PyTorch's meta device\. .*bug .*output_shapes="),
-        (_first_rows_by_value, r"but \(1,\) was expected, as inferred by one call on zeros on cpu; output shapes"),
+        (
+            _first_rows_by_value,
+            rf"but \(1,\) was expected, as inferred by one call on zeros on {TORCH_DEVICE}; output shapes",
+        ),
     ],
 )
 def test_a_call_that_disagrees_with_inference_says_how_the_shapes_were_found(fn, source):
