@@ -82,6 +82,17 @@ class ArrayConversionError(RuntimeError, TypeError):
     """
 
 
+def on_another_device(function: str, output: str, device: torch.device, call_device: torch.device) -> str:
+    """The error for an output of ``function`` on ``device`` in a call on
+    ``call_device``: value calls and reverse passes refuse it alike."""
+    return (
+        f"{function}: {output} is on device {device}, but this call runs on {call_device} "
+        f"(where its inputs and XLA's output buffers are). t2j_ad does not move results "
+        f"between devices behind your back: make the tensor on the inputs' device "
+        f"(torch.zeros(..., device=x.device), or .to(x.device))."
+    )
+
+
 def single_device(x: Any) -> tuple[jax.Array, jax.Device]:
     """``x`` as a JAX array, and the one device it lives on.
 

@@ -6,7 +6,7 @@ setting PyTorch's generator to the state the value started from (NOTE
 [derivatives replay the value's draws] in replayed_calls.py), which gives
 the same mask only if both calls turn the same numbers into the mask the
 same way. ``dropout`` and ``alpha_dropout`` do not, for an input laid out
-other than row-major (``x.t()``, ``x.permute(...)``) on the CPU: a plain
+other than row-major (``x.t()``, ``x.permute(...)``): a plain
 call fills the mask in the input's memory order (``empty_like`` keeps its
 strides), while under any ``torch.func`` transform, where every replay
 runs, PyTorch decomposes them into ``native_dropout``, whose mask is
@@ -17,7 +17,11 @@ inference notes whether the function gives such an input to one of them
 function hand them the input made row-major (``row_major_dropout``), where
 both ways lay the mask out alike. Other random ops (``bernoulli_``,
 ``rand_like``, the feature dropouts, whose masks are made fresh) fill the
-same layout in both. Only those calls pay for the torch-function mode this
+same layout in both. On CUDA, an out-of-place ``dropout`` runs
+``native_dropout``'s fused kernel both ways, on the input as laid out, and
+is left alone: made row-major, it drew another mask than PyTorch's own call
+(an H200, torch 2.11); the in-place one and ``alpha_dropout`` draw by the
+layout there as on the CPU. Only those calls pay for the torch-function mode this
 takes (every op goes through Python, a few microseconds each, in eager
 mode; a graph replays the ops it recorded).
 """
@@ -33,19 +37,34 @@ from torch.overrides import TorchFunctionMode
 # The dropouts whose CPU kernel lays the mask out by the input's strides,
 # and their in-place forms: functional (``inplace`` argument) and aten.
 _FUNCTIONAL = {F.dropout, F.alpha_dropout}
-_OUT_OF_PLACE = {torch.dropout_: torch.dropout, torch.alpha_dropout_: torch.alpha_dropout}
-_ALL = _FUNCTIONAL | set(_OUT_OF_PLACE) | set(_OUT_OF_PLACE.values())
+_IN_PLACE = {torch.dropout_, torch.alpha_dropout_}
+_ALL = _FUNCTIONAL | _IN_PLACE | {torch.dropout, torch.alpha_dropout}
 
 
 def _input_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return args[0] if args else kwargs.get("input")
 
 
+def _in_place(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if func in _FUNCTIONAL:  # (input, p, training, inplace), or inplace= by keyword
+        rest = args[1:] if args else ()
+        return bool(rest[2]) if len(rest) >= 3 else bool(kwargs.get("inplace", False))
+    return func in _IN_PLACE
+
+
 def _not_row_major(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if func not in _ALL:
         return False
     x = _input_of(args, kwargs)
-    return isinstance(x, torch.Tensor) and not x.is_contiguous()
+    if not isinstance(x, torch.Tensor) or x.is_contiguous():
+        return False
+    # On CUDA, an out-of-place dropout runs native_dropout's fused kernel,
+    # plainly and under torch.func alike, on the input as it is laid out.
+    return not (x.device.type == "cuda" and func in _CUDA_FUSED and not _in_place(func, args, kwargs))
+
+
+# The dropouts that run native_dropout's fused kernel on CUDA out of place.
+_CUDA_FUSED = {F.dropout, torch.dropout}
 
 
 class LayoutDependentDraws(TorchFunctionMode):
@@ -73,19 +92,15 @@ class _RowMajorDropout(TorchFunctionMode):
         if not _not_row_major(func, args, kwargs):
             return func(*args, **kwargs)
         x = _input_of(args, kwargs)
-        rest = args[1:] if args else ()
-        kwargs.pop("input", None)
-        if func in _FUNCTIONAL:
-            in_place = bool(kwargs.pop("inplace", False))
-            if len(rest) >= 3:  # (p, training, inplace) positionally
-                in_place, rest = bool(rest[2]), rest[:2]
-            result = func(x.contiguous(), *rest, **kwargs)
+        row_major = x.contiguous()
+        if args:
+            args = (row_major,) + tuple(args[1:])
         else:
-            in_place = func in _OUT_OF_PLACE
-            result = _OUT_OF_PLACE.get(func, func)(x.contiguous(), *rest, **kwargs)
-        if not in_place:
+            kwargs["input"] = row_major
+        result = func(*args, **kwargs)
+        if not _in_place(func, args, kwargs):
             return result
-        x.copy_(result)
+        x.copy_(row_major)  # in place on the row-major copy, which holds the result
         return x
 
 

@@ -223,6 +223,23 @@ def unbatched_value(t: torch.Tensor) -> torch.Tensor | None:
     return t
 
 
+def user_function(node_class: type | None) -> type | None:
+    """The user's ``autograd.Function`` behind an autograd node's
+    ``_forward_cls``: inside a ``torch.func`` transform that is the class
+    functorch generates per level (``<Name>Generated``), whose ``backward``
+    calls the user's from its closure (``autograd_function``)."""
+    backward = getattr(node_class, "backward", None)
+    if node_class is None or not getattr(node_class, "__name__", "").endswith("Generated"):
+        return node_class
+    names = getattr(getattr(backward, "__code__", None), "co_freevars", ())  # private layout
+    if "autograd_function" in names:
+        cell = backward.__closure__[names.index("autograd_function")]
+        found = cell.cell_contents
+        if isinstance(found, type) and issubclass(found, torch.autograd.Function):
+            return found
+    return node_class
+
+
 def outside_transforms() -> contextlib.AbstractContextManager[None]:
     """Within the block, ops on tensors make plain tensors even inside
     ``torch.func`` transforms, which otherwise wrap every result at their

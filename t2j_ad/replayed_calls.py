@@ -48,7 +48,9 @@ mode both keep their graphs (NOTE [the generator around a graph]). Batched
 random ops and running statistics need under ``jax.vmap``. Batched over
 tangents alone (a Jacobian or a Hessian: the token unbatched), a replay runs
 under ``torch.vmap`` with ``randomness="same"``: it draws the value's numbers
-once for every tangent, as each tangent's own replay would. Calls of either
+once for every tangent, as each tangent's own replay would (on CUDA, a
+function that draws loops over the tangents instead: NOTE [dropout on CUDA
+under torch.vmap] in transforms.py). Calls of either
 kind hold one process-wide lock: a replaying call sets the generator every
 thread draws from, and puts back tensors another thread's value call would
 write meanwhile (a pmap over CPU devices).

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import graph_mode
-from .convert import jax_dtype, torch_dtype
+from .convert import jax_dtype, on_another_device, torch_dtype
 from .cuda_streams import external_stream, run_on_stream
 from .malloc_tuning import tune_malloc
 from .module_modes import ModuleModes, modes_hold
@@ -462,12 +462,7 @@ class _Runner:
                 )
         for name, r, out in zip(self.out_names, results, outputs):
             if r.device != out.device:
-                raise TorchCallError(
-                    f"{self.name}: {name} is on device {r.device}, but this call runs on {out.device} "
-                    f"(where its inputs and XLA's output buffers are). t2j_ad does not move results "
-                    f"between devices behind your back: make the tensor on the inputs' device "
-                    f"(torch.zeros(..., device=x.device), or .to(x.device))."
-                )
+                raise TorchCallError(on_another_device(self.name, name, r.device, out.device))
 
     def _expected_because(self) -> str:
         """Why the expected output shapes are what they are, and what to do

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from . import functorch_levels
-from .convert import torch_dtype
-from .replayed_calls import effects, per_example_refusal, token_input
+from .convert import on_another_device, torch_dtype
+from .replayed_calls import effects, effects_now, per_example_refusal, token_input
 from .rules.fallbacks import forward_mode, reverse_mode, vmap_auto, warn_once
 from .torch_fn import Aval, Jvp, TorchFn, Transform, Vjp, Vmap
 
@@ -44,12 +44,13 @@ def _conj_where(tensors: Sequence[torch.Tensor], avals: Sequence[Aval]) -> tuple
 
 def _make_jvp(t: Jvp, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], base: Any, prefix: Any) -> Flat:
     n = len(ins)
+    over_reverse = any(isinstance(p, Vjp) for p in prefix[:-1])
 
     def jvp_fn(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         primals, tangents = args[:n], args[n:]
         restricted = _restrict(g, primals, t.wrt, t.out)
         wrt_primals = tuple(primals[i] for i in t.wrt)
-        return forward_mode(restricted, wrt_primals, tangents, base=base, key=prefix)
+        return forward_mode(restricted, wrt_primals, tangents, base=base, key=prefix, over_reverse=over_reverse)
 
     return jvp_fn
 
@@ -58,6 +59,8 @@ def _make_vjp(t: Vjp, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], ba
     n = len(ins)
     out_avals = [outs[j] for j in t.out]
     wrt_avals = [ins[i] for i in t.wrt]
+    # The function's own output names where this reverse pass is the first transform.
+    out_names = getattr(base, "out_names", None) if len(prefix) == 1 else None
 
     def vjp_fn(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         primals, cotangents = args[:n], args[n:]
@@ -72,6 +75,12 @@ def _make_vjp(t: Vjp, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], ba
             # differentiating the cast makes the dtypes agree exactly. (Only
             # where they differ: every op costs dispatch under torch.func.)
             outs = restricted(*values)
+            for k, (o, c) in enumerate(zip(outs, cotangents)):
+                if isinstance(o, torch.Tensor) and o.device != c.device:
+                    # Autograd would fail deep inside, naming neither (the
+                    # value call refuses such an output by name too).
+                    name = out_names[t.out[k]] if out_names else f"output {t.out[k]}"
+                    raise RuntimeError(on_another_device(base.name, name, o.device, c.device))
             return tuple(o if o.dtype == c.dtype else o.to(c.dtype) for o, c in zip(outs, cotangents))
 
         grads = reverse_mode(matched, wrt_primals, cotangents, base=base, key=prefix)
@@ -92,6 +101,36 @@ def _announce_loop_for_state(base: Any) -> None:
         f"place); batching it with a sequential loop, one update per example as a loop in PyTorch makes "
         f"them. Pass vmap_method='sequential' to silence this.",
     )
+
+
+def _looping_on_cuda(vectorized: Flat, sequential: Flat) -> Flat:
+    """``vectorized``, except on CUDA tensors, where ``sequential`` runs.
+
+    NOTE [dropout on CUDA under torch.vmap]
+    A replay batched over tangents alone runs under ``torch.vmap`` with
+    ``randomness="same"`` (NOTE [derivatives replay the value's draws] in
+    replayed_calls.py), which draws the value call's numbers only if every
+    random op draws them the same way batched and unbatched. ``dropout`` on
+    CUDA does not: a plain call runs ``native_dropout``'s fused kernel, while
+    functorch's batching rule for it makes the mask with ``bernoulli_``, which
+    turns the same generator state into another mask (on the CPU both use
+    ``bernoulli_``). A Hessian or Jacobian of a function with dropout was then
+    taken through a mask the value never used (found on an H200, torch 2.11).
+    So on CUDA such a replay loops over the tangents, each run replaying the
+    value call's draws as a plain call does; results are exact, the loop is
+    slower than one batched run.
+    """
+
+    def run(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if _on_cuda(args):
+            return sequential(*args)
+        return vectorized(*args)
+
+    return run
+
+
+def _on_cuda(args: Sequence[torch.Tensor]) -> bool:
+    return any(a.is_cuda for a in args)
 
 
 def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], base: Any, prefix: Any) -> Flat:
@@ -123,6 +162,11 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
         full = [a.expand((size,) + tuple(a.shape)).clone() if s else a for a, s in zip(args, spread)]
         dims = tuple(0 if s else d for d, s in zip(in_dims, spread))
         return functorch_levels.vmap(g, full, dims, size, randomness)
+
+    if randomness == "same" and effects_now(base).draws_random:
+        # NOTE [dropout on CUDA under torch.vmap]
+        expand_dims = _looping_on_cuda(expand_dims, sequential)
+        broadcast_all = _looping_on_cuda(broadcast_all, sequential)
 
     def asked_for(vectorized: Flat) -> Flat:
         # The method the user chose: PyTorch's error, and what runs without torch.vmap.

@@ -344,6 +344,48 @@ def test_forward_mode_through_a_once_differentiable_backward_with_setup_context_
             jax.block_until_ready(run())
 
 
+def test_forward_over_reverse_through_a_once_differentiable_backward_is_refused_where_torch_func_jvp_goes_through(
+    monkeypatch,
+):
+    # torch 2.11's torch.func.jvp of the reverse pass went through such a
+    # backward and gave zero tangents (jax.hessian on an H200), where torch
+    # 2.13's refuses. Stand in for 2.11: a jvp that runs the function and
+    # returns zeros.
+    def silent_jvp(fn, primals, tangents):
+        outs = fn(*primals)
+        return outs, tuple(torch.zeros_like(o) for o in outs)
+
+    monkeypatch.setattr(torch.func, "jvp", silent_jvp)
+    f = t2j_ad.jaxify(lambda x: SetupContextOnceDifferentiableCube.apply(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        with pytest.raises(Exception, match="backward of SetupContextOnceDifferentiableCube is marked @once_differentiable"):
+            jax.block_until_ready(jax.hessian(lambda x: f(x).sum())(X))
+
+
+class OnceDifferentiableCubeWithJvp(SetupContextOnceDifferentiableCube):
+    """The same, with a jvp staticmethod: forward mode over its reverse pass
+    runs the backward on dual numbers, which its no_grad does not stop."""
+
+    @staticmethod
+    def jvp(ctx, x_t):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * x_t
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+
+def test_forward_over_reverse_through_a_once_differentiable_backward_with_a_jvp_is_right():
+    f = t2j_ad.jaxify(lambda x: OnceDifferentiableCubeWithJvp.apply(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        got = jax.hessian(lambda x: f(x).sum())(X)
+    assert_tree_allclose(got, jax.hessian(lambda x: (x**3).sum())(X), rtol=1e-5)
+
+
 # ------------------------------------------------------- NumpySort/NumpyTake
 # From "Extending torch.func with autograd.Function", Example 1 with the vmap
 # staticmethods of "Defining the vmap staticmethod". (The guide's second

@@ -470,3 +470,39 @@ def test_a_refused_cuda_registration_leaves_cpu_on_the_ffi(ffi_backend, monkeypa
     assert ffi.TARGET not in text
     # And it runs: through the FFI on a CPU, through the callback backend on a GPU.
     np.testing.assert_allclose(jax.jit(f)(x), jnp.sin(x) * 2, rtol=1e-6)
+
+
+class _ModuleContext:
+    """Stands in for a lowering's ``ctx.module_context``: its backend, and
+    the host callbacks handed to it."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.host_callbacks: list = []
+
+    def add_host_callback(self, callback) -> None:
+        self.host_callbacks.append(callback)
+
+
+def test_a_lowering_for_a_compile_only_client_keeps_its_functions_itself(monkeypatch):
+    # Such a client (AOT cross-compilation for a described topology) takes
+    # host callbacks only as capsules: compiling refused our holder, so no
+    # t2j_ad function could be cross-compiled for GPUs (torch2jax's suite on
+    # an H200). Its executables never run here; the holder lives on instead.
+    from t2j_ad import _jax_internals
+
+    class CompileOnly:
+        pass
+
+    monkeypatch.setattr(_jax_internals, "_CompileOnlyClient", CompileOnly)
+    monkeypatch.setattr(ffi, "_compiled_elsewhere", [])
+
+    class Ctx:
+        def __init__(self, backend) -> None:
+            self.module_context = _ModuleContext(backend)
+
+    elsewhere, here = Ctx(CompileOnly()), Ctx(object())
+    held = ffi.keep_alive(elsewhere)
+    assert elsewhere.module_context.host_callbacks == [] and ffi._compiled_elsewhere == [held]
+    tied = ffi.keep_alive(here)
+    assert here.module_context.host_callbacks == [tied] and ffi._compiled_elsewhere == [held]

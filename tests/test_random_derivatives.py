@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.func
-from conftest import TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
+from conftest import ON_GPU, TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
 
 import t2j_ad
 from t2j_ad.rules.fallbacks import FallbackWarning
@@ -96,6 +96,52 @@ def test_a_derivative_draws_what_its_value_drew(case, mode):
     assert torch.equal(after, expected_after)
 
 
+@pytest.mark.parametrize("method", ["auto", "expand_dims", "broadcast_all"])
+def test_a_hessian_of_a_function_that_draws_loops_over_its_directions_on_cuda(monkeypatch, method):
+    # On CUDA, dropout's fused kernel and torch.vmap's batching rule for it
+    # turn one generator state into two masks: a Hessian came out for
+    # another mask than the value's (an H200), so there the replay loops
+    # (NOTE [dropout on CUDA under torch.vmap]). Checked here with the
+    # device test standing in: a CUDA call loops, and the loop is right.
+    from t2j_ad import transforms
+
+    monkeypatch.setattr(transforms, "_on_cuda", lambda args: True)
+    runs = []
+
+    def counted(x):
+        runs.append(1)
+        return _dropout(x)
+
+    jf = t2j_ad.jaxify(counted, vmap_method=method)
+    hessian = jax.jit(jax.hessian(lambda x: (jf(x) ** 3).sum()))
+    x = _X[0]
+    jax.block_until_ready(hessian(x))
+    runs.clear()
+    got, _ = _seeded_run(lambda: hessian(x))
+    assert len(runs) == 1 + 2 * 4, runs  # the value call, then each replay once per direction
+    mask = _mask((4,))
+    expected = torch.func.hessian(lambda x: ((x * mask) ** 3).sum())(to_torch(x))
+    assert_tree_allclose(got, to_numpy(expected), rtol=1e-5, atol=1e-4)
+
+
+def test_a_jacobian_of_a_function_that_only_keeps_state_is_batched_on_cuda_too(monkeypatch):
+    # Only drawing makes a replay loop on CUDA: a module that updates running
+    # statistics replays its value once for every direction under torch.vmap.
+    from t2j_ad import transforms
+
+    monkeypatch.setattr(transforms, "_on_cuda", lambda args: True)
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)).to(TORCH_DEVICE).train()
+    runs = []
+    module.register_forward_pre_hook(lambda m, args: runs.append(1))
+    apply, params = t2j_ad.jaxify_module(module)
+    x = _X  # (3, 4)
+    jax.block_until_ready(apply(params, x))
+    runs.clear()
+    jax.block_until_ready(jax.jacfwd(lambda x: apply(params, x))(x))
+    assert len(runs) == 2, runs  # the value call, and one replay for every direction
+
+
 @pytest.mark.parametrize("method", ["auto", "expand_dims", "broadcast_all", "sequential"])
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_a_hessian_is_that_of_the_values_mask(mode, method):
@@ -104,6 +150,7 @@ def test_a_hessian_is_that_of_the_values_mask(mode, method):
     # Its directions are batched, not the token: the replay runs once for
     # all of them under torch.vmap(randomness="same"); it looped over them
     # before (a Hessian of an MLP with dropout took 70 ms, 2.3 ms without).
+    # On CUDA it loops: dropout draws another way under torch.vmap there.
     runs = []
 
     def counted(x):
@@ -119,7 +166,10 @@ def test_a_hessian_is_that_of_the_values_mask(mode, method):
         runs.clear()
         got, _ = _seeded_run(lambda: hessian(x))
     fallbacks = [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
-    if mode == "graph" and method == "sequential":
+    # On CUDA the replay loops whatever the method (NOTE [dropout on CUDA
+    # under torch.vmap] in transforms.py).
+    loops = method == "sequential" or ON_GPU
+    if mode == "graph" and loops:
         # A loop over the directions: each run replays the value's draws,
         # which a graph cannot do between runs (NOTE [the generator around a graph]).
         assert fallbacks and all("more than once in one call" in m for m in fallbacks), fallbacks
@@ -129,7 +179,7 @@ def test_a_hessian_is_that_of_the_values_mask(mode, method):
         # The value call, then two replays (the gradient's tangent and the
         # Hessian's), each run once for all four directions; a loop runs
         # each once per direction.
-        assert len(runs) == (1 + 2 * 4 if method == "sequential" else 3), runs
+        assert len(runs) == (1 + 2 * 4 if loops else 3), runs
     mask = _mask((4,))
     expected = torch.func.hessian(lambda x: ((x * mask) ** 3).sum())(to_torch(x))
     assert_tree_allclose(got, to_numpy(expected), rtol=1e-5, atol=1e-4)

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import torch
 
+from .._jax_internals import compiles_only
 from ..replayed_calls import has_side_effects
 from ..runtime import runner_for
 from . import registry
@@ -130,10 +131,18 @@ class KeepAlive:
         raise RuntimeError("t2j_ad: internal keep-alive object was called")
 
 
+# Holders of what was lowered for a compile-only client, for the process's
+# life (NOTE [registry lifetime] in registry.py).
+_compiled_elsewhere: list[KeepAlive] = []
+
+
 def keep_alive(ctx: Any) -> KeepAlive:
     """A fresh holder tied to the executable that ``ctx`` is lowered into."""
     keep = KeepAlive()
-    ctx.module_context.add_host_callback(keep)
+    if compiles_only(ctx.module_context):
+        _compiled_elsewhere.append(keep)
+    else:
+        ctx.module_context.add_host_callback(keep)
     return keep
 
 

@@ -31,6 +31,12 @@ into a pointer, so a stale key is an error, not a crash.
   key up there itself and calls the runner, skipping every Python frame of
   the dispatcher. A runner does not refer to its TorchFn, so this table
   keeps nothing alive: its entry goes when the TorchFn's weakref fires.
+* Compiled for another machine. A compile-only client (AOT
+  cross-compilation for a described topology, ``jax.experimental.topologies``)
+  takes host callbacks only as capsules and refused the holder; its
+  executables never run in this process (they are inspected or serialized),
+  so the holder of such a lowering is kept for the process's life instead
+  (``ffi.keep_alive``): that many TorchFns stay alive, one per such lowering.
 * Keys are never reused, so even a dispatch after ``clear()`` can only fail
   with a clear error, never run the wrong function.
 

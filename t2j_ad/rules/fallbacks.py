@@ -197,6 +197,43 @@ def autograd_vjp(
     return tuple(torch.zeros_like(p) if g is None else g for g, p in zip(grads, primals))
 
 
+# Where a BaseFn keeps the name of an autograd.Function with a
+# @once_differentiable backward (and no jvp) in its autograd graph, or None,
+# as its first reverse pass found it: a fact about the function, not a
+# fallback decision (a trace that makes a decision is traced again).
+_ONCE_DIFFERENTIABLE_SEEN = "once_differentiable_backward"
+
+
+def _noting_once_differentiable(
+    fn: Callable[..., tuple[torch.Tensor, ...]], noted: dict[str, Any]
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """``fn``, noting in ``noted`` (a BaseFn's ``__dict__``) on its first run whether its outputs'
+    autograd graph holds a Function whose backward is ``@once_differentiable``
+    (forward mode over such a reverse pass refuses: ``forward_mode``)."""
+
+    def noting(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs = fn(*xs)
+        noted[_ONCE_DIFFERENTIABLE_SEEN] = _once_differentiable_in(outs, without_jvp=True)
+        return outs
+
+    return noting
+
+
+def _once_differentiable_in(outs: Any, without_jvp: bool = False) -> str | None:
+    """The class name of an autograd.Function behind ``outs`` whose backward
+    is ``@once_differentiable`` (and, with ``without_jvp``, that has no jvp
+    staticmethod: with one, forward mode runs that backward on dual
+    numbers, which no_grad does not stop); None when there is none."""
+    for node in _graph_nodes(outs if isinstance(outs, (tuple, list)) else (outs,)):
+        # The autograd.Function of a custom node (the user's, under torch.func too).
+        function = functorch_levels.user_function(getattr(node, "_forward_cls", None))
+        if getattr(getattr(function, "backward", None), "__code__", None) is not _ONCE_DIFFERENTIABLE_CODE:
+            continue
+        if not without_jvp or getattr(function, "jvp", None) is torch.autograd.Function.jvp:
+            return function.__name__
+    return None
+
+
 def reverse_mode(
     fn: Callable[..., tuple[torch.Tensor, ...]],
     primals: Sequence[torch.Tensor],
@@ -207,6 +244,8 @@ def reverse_mode(
 ) -> tuple[torch.Tensor, ...]:
     """Cotangents of ``primals``: ``torch.func.vjp`` (NOTE [functorch levels]), else ``autograd.grad``."""
     decided = decisions(base)
+    if _ONCE_DIFFERENTIABLE_SEEN not in base.__dict__:
+        fn = _noting_once_differentiable(fn, base.__dict__)
     if not base.autograd_vjp and decided.get(("vjp", key)) != "autograd":
         try:
             return functorch_levels.vjp(fn, primals, cotangents)
@@ -272,8 +311,9 @@ def _graph_nodes(tensors: Iterable[Any]) -> Iterator[Any]:
 
 def _once_differentiable_error(base: Any, function: str) -> RuntimeError:
     return RuntimeError(
-        f"t2j_ad: forward mode of {base.name!r} needs the derivative of its reverse pass (the "
-        f"double-vjp trick, as torch.func.jvp refused it), but the backward of {function} is marked "
+        f"t2j_ad: forward mode of {base.name!r} needs the derivative of its reverse pass (a "
+        f"Hessian's inner gradient, or the double-vjp trick where torch.func.jvp refuses), but the "
+        f"backward of {function} is marked "
         f"@once_differentiable and cannot be differentiated again: forward mode would come out "
         f"zero. Give that autograd.Function a jvp staticmethod (with setup_context), drop "
         f"@once_differentiable if its backward is differentiable, or use reverse mode "
@@ -298,11 +338,9 @@ def _outputs_refusing_once_differentiable(
     except RuntimeError:  # e.g. requires_grad_ on a tensor a torch.func level batches
         with torch.no_grad():
             return fn(*primals)  # _refuse_once_differentiable looks at the reverse pass instead
-    for node in _graph_nodes(outs):
-        function = getattr(node, "_forward_cls", None)  # the autograd.Function of a custom node
-        backward = getattr(function, "backward", None)
-        if getattr(backward, "__code__", None) is _ONCE_DIFFERENTIABLE_CODE:
-            raise _once_differentiable_error(base, function.__name__)
+    marked = _once_differentiable_in(outs)
+    if marked:
+        raise _once_differentiable_error(base, marked)
     return tuple(o.detach() for o in outs)
 
 
@@ -328,12 +366,20 @@ def forward_mode(
     *,
     base: Any,
     key: Any,
+    over_reverse: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """Output tangents: ``torch.func.jvp``, else the double-vjp trick."""
+    """Output tangents: ``torch.func.jvp``, else the double-vjp trick.
+    ``over_reverse``: ``fn`` holds a reverse pass (a Hessian's inner
+    gradient), which is first checked for a ``@once_differentiable``
+    backward, once per transform."""
+    if over_reverse:
+        _refuse_marked_reverse_pass(base)
     decided = decisions(base)
     if decided.get(("jvp", key)) != "double_vjp":
         try:
             _, out_tangents = torch.func.jvp(fn, tuple(primals), tuple(tangents))
+            if over_reverse:
+                _refuse_marked_reverse_pass(base)
             return tuple(out_tangents)
         except (RuntimeError, NotImplementedError) as err:
             if not _refused(err, _FORWARD_REFUSALS):
@@ -349,7 +395,24 @@ def forward_mode(
                 f"({_first_line(err)}). Results are exact; it costs two "
                 f"reverse passes.{advice}",
             )
-    return double_vjp_jvp(fn, primals, tangents, base=base, key=key)
+    tangents_out = double_vjp_jvp(fn, primals, tangents, base=base, key=key)
+    if over_reverse:
+        _refuse_marked_reverse_pass(base)
+    return tangents_out
+
+
+def _refuse_marked_reverse_pass(base: Any) -> None:
+    """Raise if ``base``'s reverse pass runs an autograd.Function whose
+    backward is ``@once_differentiable`` and that has no jvp staticmethod,
+    as its first reverse pass noted. Forward mode over that reverse pass
+    (a Hessian's) gave zeros without an error where torch.func.jvp went
+    through it (torch 2.11 on an H200) or the double-vjp trick ran under a
+    batching level, where the check on its first run cannot mark inputs as
+    requiring grad; torch 2.13's torch.func.jvp refuses, and the unbatched
+    double-vjp trick refuses by name."""
+    marked = base.__dict__.get(_ONCE_DIFFERENTIABLE_SEEN)
+    if marked:
+        raise _once_differentiable_error(base, marked)
 
 
 # --------------------------------------------------------------------- batching
