@@ -222,6 +222,13 @@ def thread_args(doc: str):
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="PyTorch thread counts to measure")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["graph", "inductor"],
+        default=["graph", "inductor"],
+        help="compile modes to time besides eager (default both; inductor compiles for minutes on a GPU)",
+    )
+    parser.add_argument(
         "--first-call-probe",
         action="store_true",
         help="internal: time the first inductor call in this fresh process and print it as JSON",
