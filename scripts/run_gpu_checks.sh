@@ -19,8 +19,8 @@
 #      is left out: its 4 devices are simulated CPU devices;
 #   4. the benchmarks that make sense on a GPU (all but bench_sharded.py,
 #      which simulates 4 CPU devices), at modest sizes.
-# About 25 minutes in all with one pytest process per run, under 10 with
-# pytest-xdist (see PYTEST below). To split the run (a machine that limits each
+# About 25 minutes in all with one pytest process per run; with pytest-xdist
+# (see PYTEST below) about 3 minutes a test run on a 16-core machine. To split the run (a machine that limits each
 # command's time), name the steps to run after preflight and install:
 #   T2J_AD_GPU_STEPS="unit-and-property-tests bench-call-latency" bash scripts/run_gpu_checks.sh LOG_DIR
 # (the step names are those of the summary). Each step's output goes to the terminal and to
