@@ -30,6 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from common import (  # noqa: E402
+    compiled_modes_summary,
     first_call_costs,
     first_call_probe,
     fresh_inductor_cache,
@@ -147,11 +148,7 @@ def main() -> None:
             f"(target <= 1.2x); sequential / expand_dims = "
             f"{by_name['t2j_ad sequential'] / by_name['t2j_ad expand_dims']:.1f}x (target >= 20x)"
         )
-        if "graph" in args.modes:
-            summary += f"; graph / torch.func = {by_name['t2j_ad graph'] / by_name['torch.func']:.2f}x (target <= 0.8x)"
-            summary += f"; graph / pure JAX = {by_name['t2j_ad graph'] / by_name['pure JAX']:.2f}x"
-        if "inductor" in args.modes:
-            summary += f"; inductor / pure JAX = {by_name['t2j_ad inductor'] / by_name['pure JAX']:.2f}x (target <= 1.2x)"
+        summary += compiled_modes_summary(by_name, args.modes, inductor_target=1.2)
         costs = "First calls (this process): " + "; ".join(first_calls)
         sections.append((f"PyTorch threads: {n}", markdown_table(timings, "torch.func") + "\n\n" + summary + "\n\n" + costs))
     if "inductor" in args.modes:

@@ -236,6 +236,20 @@ def thread_args(doc: str):
     return parser.parse_args()
 
 
+def compiled_modes_summary(by_name: Mapping[str, float], modes: Sequence[str], inductor_target: float) -> str:
+    """The summary's ratios for the compile modes timed (``--modes``):
+    graph against torch.func (target 0.8x) and pure JAX, inductor against
+    pure JAX (``inductor_target``); each part starts with "; "."""
+    parts = ""
+    if "graph" in modes:
+        parts += f"; graph / torch.func = {by_name['t2j_ad graph'] / by_name['torch.func']:.2f}x (target <= 0.8x)"
+        parts += f"; graph / pure JAX = {by_name['t2j_ad graph'] / by_name['pure JAX']:.2f}x"
+    if "inductor" in modes:
+        ratio = by_name["t2j_ad inductor"] / by_name["pure JAX"]
+        parts += f"; inductor / pure JAX = {ratio:.2f}x (target <= {inductor_target}x)"
+    return parts
+
+
 def first_call_costs(name: str, jaxified: Any, call: Callable[[], Any]) -> str:
     """Run ``call`` (the first call of a ``compile="graph"|"inductor"`` function)
     and report what it cost: the whole first call, and the trace and compile

@@ -207,9 +207,10 @@ _ONCE_DIFFERENTIABLE_SEEN = "once_differentiable_backward"
 def _noting_once_differentiable(
     fn: Callable[..., tuple[torch.Tensor, ...]], noted: dict[str, Any]
 ) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """``fn``, noting in ``noted`` (a BaseFn's ``__dict__``) on its first run whether its outputs'
-    autograd graph holds a Function whose backward is ``@once_differentiable``
-    (forward mode over such a reverse pass refuses: ``forward_mode``)."""
+    """``fn``, noting in ``noted`` (a BaseFn's ``__dict__``) on its first
+    run whether its outputs' autograd graph holds a Function whose backward
+    is ``@once_differentiable`` (forward mode over such a reverse pass
+    refuses: ``_refuse_marked_reverse_pass``)."""
 
     def noting(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outs = fn(*xs)
@@ -370,8 +371,8 @@ def forward_mode(
 ) -> tuple[torch.Tensor, ...]:
     """Output tangents: ``torch.func.jvp``, else the double-vjp trick.
     ``over_reverse``: ``fn`` holds a reverse pass (a Hessian's inner
-    gradient), which is first checked for a ``@once_differentiable``
-    backward, once per transform."""
+    gradient), refused if that pass runs a ``@once_differentiable``
+    backward (``_refuse_marked_reverse_pass``)."""
     if over_reverse:
         _refuse_marked_reverse_pass(base)
     decided = decisions(base)
