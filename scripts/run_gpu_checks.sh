@@ -20,7 +20,8 @@
 #   4. the benchmarks that make sense on a GPU (all but bench_sharded.py,
 #      which simulates 4 CPU devices), at modest sizes.
 # About 25 minutes in all with one pytest process per run; with pytest-xdist
-# (see PYTEST below) about 3 minutes a test run on a 16-core machine. To split the run (a machine that limits each
+# (see PYTEST below) about 3 minutes a test run on a 16-core machine, and the
+# three test runs at once with T2J_AD_GPU_CONCURRENT=1. To split the run (a machine that limits each
 # command's time), name the steps to run after preflight and install:
 #   T2J_AD_GPU_STEPS="unit-and-property-tests bench-call-latency" bash scripts/run_gpu_checks.sh LOG_DIR
 # (the step names are those of the summary). Each step's output goes to the terminal and to
@@ -48,8 +49,27 @@ export JAX_DEFAULT_MATMUL_PRECISION=highest
 RESULTS=()
 FAILED=0
 
+# outcome NAME STATUS SECONDS LIMIT: the summary's line for a step.
+outcome() {
+  if [ "$2" -eq 0 ]; then
+    echo "passed  $1 ($3 s)"
+  else
+    local why="exit status $2"
+    [ "$2" -eq 124 ] && why="timed out after $4 s"
+    echo "FAILED  $1 ($why, $3 s; log: $LOG_DIR/$1.log)"
+  fi
+}
+
+record() {
+  RESULTS+=("$1")
+  [[ "$1" == FAILED* ]] && FAILED=1
+  return 0
+}
+
 # step NAME LIMIT_SECONDS COMMAND...: run COMMAND, its output to the terminal
 # and to LOG_DIR/NAME.log, killed after LIMIT_SECONDS; record the outcome.
+# With IN_BACKGROUND set, it runs in the background, its output to the log
+# only, and collect_steps records the outcome once it has ended.
 step() {
   local name=$1 limit=$2
   shift 2
@@ -59,20 +79,33 @@ step() {
     return 0
   fi
   echo
-  echo "== $name: $* =="
   local start=$SECONDS
+  if [ -n "${IN_BACKGROUND:-}" ]; then
+    echo "== $name, in the background (log: $LOG_DIR/$name.log): $* =="
+    (
+      timeout -k 30 "$limit" "$@" >"$LOG_DIR/$name.log" 2>&1
+      outcome "$name" "$?" $((SECONDS - start)) "$limit" >"$LOG_DIR/$name.outcome"
+    ) &
+    return 0
+  fi
+  echo "== $name: $* =="
   timeout -k 30 "$limit" "$@" 2>&1 | tee "$LOG_DIR/$name.log"
   local rc=${PIPESTATUS[0]}
-  local took=$((SECONDS - start))
-  if [ "$rc" -eq 0 ]; then
-    RESULTS+=("passed  $name (${took} s)")
-  else
-    local why="exit status $rc"
-    [ "$rc" -eq 124 ] && why="timed out after $limit s"
-    RESULTS+=("FAILED  $name ($why, ${took} s; log: $LOG_DIR/$name.log)")
-    FAILED=1
-  fi
+  record "$(outcome "$name" "$rc" $((SECONDS - start)) "$limit")"
   return "$rc"
+}
+
+# collect_steps NAME...: wait for the steps run in the background and record
+# their outcomes (a step T2J_AD_GPU_STEPS left out was recorded already).
+collect_steps() {
+  wait
+  local name
+  for name in "$@"; do
+    if [ -f "$LOG_DIR/$name.outcome" ]; then
+      record "$(cat "$LOG_DIR/$name.outcome")"
+      rm -f "$LOG_DIR/$name.outcome"
+    fi
+  done
 }
 
 summary() {
@@ -125,19 +158,37 @@ step preflight 300 bash -c preflight || { summary "stopped: no GPU for both JAX 
 step install 900 bash -c install || { summary "stopped: t2j_ad did not install"; exit 1; }
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs)
-# pytest-xdist, where installed, spreads each run over T2J_AD_TEST_WORKERS
-# processes (default: half the cores, at most 8), which share the GPU (an
-# H200 machine with 16 cores ran the unit and property tests in about 3
-# minutes on 9 workers, beside the graph-mode and callback runs on 3 and 2).
-if "$PY" -c "import xdist" 2>/dev/null; then
-  CORES=$(nproc 2>/dev/null || echo 2)
-  DEFAULT_WORKERS=$((CORES / 2 > 8 ? 8 : (CORES / 2 < 1 ? 1 : CORES / 2)))
-  PYTEST+=(-n "${T2J_AD_TEST_WORKERS:-$DEFAULT_WORKERS}")
+# pytest-xdist, where installed, spreads each run over worker processes that
+# share the GPU: half the cores (at most 8) when the runs take turns, and
+# with T2J_AD_GPU_CONCURRENT=1, where the three runs go at once, a half, a
+# fifth and an eighth of them (an H200 machine with 16 cores ran them so,
+# 9, 3 and 2 workers, in about 3 minutes). T2J_AD_TEST_WORKERS sets every
+# run's count instead.
+CORES=$(nproc 2>/dev/null || echo 2)
+XDIST=""
+"$PY" -c "import xdist" 2>/dev/null && XDIST=1
+# workers NUMERATOR DENOMINATOR: pytest's -n for that share of the cores, or nothing without xdist.
+workers() {
+  [ -n "$XDIST" ] || return 0
+  local n=$((CORES * $1 / $2))
+  n=$((n < 1 ? 1 : (n > 8 ? 8 : n)))
+  echo "-n ${T2J_AD_TEST_WORKERS:-$n}"
+}
+if [ -n "${T2J_AD_GPU_CONCURRENT:-}" ]; then
+  SHARES=("1 2" "1 5" "1 8")
+  IN_BACKGROUND=1
+else
+  SHARES=("1 2" "1 2" "1 2")
 fi
-step unit-and-property-tests 1500 "${PYTEST[@]}" tests --ignore=tests/multidevice
+# shellcheck disable=SC2046 # workers prints "-n N" or nothing: split on purpose
+step unit-and-property-tests 1500 "${PYTEST[@]}" $(workers ${SHARES[0]}) tests --ignore=tests/multidevice
+# shellcheck disable=SC2046
 step graph-mode-tests 900 env T2J_AD_COMPILE=graph T2J_AD_HYPOTHESIS_EXAMPLES="$GRAPH_MODE_EXAMPLES" \
-  "${PYTEST[@]}" "${GRAPH_MODE_TESTS[@]}"
-step callback-backend-tests 600 env T2J_AD_BACKEND=callback "${PYTEST[@]}" "${CALLBACK_TESTS[@]}"
+  "${PYTEST[@]}" $(workers ${SHARES[1]}) "${GRAPH_MODE_TESTS[@]}"
+# shellcheck disable=SC2046
+step callback-backend-tests 600 env T2J_AD_BACKEND=callback "${PYTEST[@]}" $(workers ${SHARES[2]}) "${CALLBACK_TESTS[@]}"
+IN_BACKGROUND=""
+collect_steps unit-and-property-tests graph-mode-tests callback-backend-tests
 
 # The benchmarks run on the CPU unless JAX_PLATFORMS says otherwise
 # (benchmarks/common.py); here they run on the GPU.
