@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -82,6 +83,10 @@ try:
     from jax._src import pjit as _pjit
 except ImportError:  # pragma: no cover - another JAX layout
     _ad_checkpoint = _custom_derivatives = _pjit = None
+try:
+    from jax._src.lax.control_flow import conditionals as _conditionals
+except ImportError:  # pragma: no cover - another JAX layout
+    _conditionals = None
 try:
     from jax._src.named_sharding import UnspecifiedValue
 except ImportError:  # pragma: no cover - older JAX kept it here
@@ -377,11 +382,16 @@ def in_program_order(
 ) -> Callable[..., Sequence[Any]]:
     """``lowering`` (an MLIR lowering rule), made to run each call whose
     parameters ``has_effects`` accepts after the last such call lowered
-    before it into the same block: that call's first result is handed to it
-    as one more operand, which the call ignores (NOTE [calls with effects
-    under jax.jit]). XLA keeps no other order between two calls with side
-    effects: it drops optimization barriers and their control dependencies
-    on the CPU. Not under a sharded ``jax.jit``."""
+    before it: that call's first result is handed to it as one more operand,
+    which the call ignores (NOTE [calls with effects under jax.jit]). XLA
+    keeps no other order between two calls with side effects: it drops
+    optimization barriers and their control dependencies on the CPU. A
+    ``lax.cond``, ``lax.scan`` or while loop that holds such a call counts as
+    one for the calls after it in its own block (all its results are handed
+    on: XLA forwards a loop's unchanged carries past the loop), and the
+    first such call in a branch of a ``lax.cond`` goes after the last one
+    before the cond (the branch captures its results). Not under a sharded
+    ``jax.jit``."""
 
     def rule(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
         if not has_effects(params) or partitioned_devices(ctx) > 1:
@@ -391,23 +401,156 @@ def in_program_order(
         room = getattr(ctx.module_context, "cached_primitive_lowerings", None)
         if room is None:  # pragma: no cover - a JAX without it: XLA's order
             return lowering(ctx, *args, **params)
-        last_in_block = room.setdefault(_LAST_CALL_WITH_EFFECTS, {})
+        order = room.setdefault(_LAST_CALL_WITH_EFFECTS, _ProgramOrder())
         block = ir.InsertionPoint.current.block
-        before = last_in_block.get(block)
+        before = order.available(block)
         if before is not None:
-            value, aval = before
-            ctx = ctx.replace(avals_in=(*ctx.avals_in, aval))
-            args = (*args, value)
+            values, avals = before
+            ctx = ctx.replace(avals_in=(*ctx.avals_in, *avals))
+            args = (*args, *values)
         outs = lowering(ctx, *args, **params)
         if outs:
             first = outs[0]
-            last_in_block[block] = (first[0] if isinstance(first, (list, tuple)) else first, ctx.avals_out[0])
+            order.lowered(block, ((first[0] if isinstance(first, (list, tuple)) else first,), (ctx.avals_out[0],)))
         return outs
 
     return rule
 
 
 _LAST_CALL_WITH_EFFECTS = ("t2j_ad", "the last call with effects in each block")
+
+# Ops whose regions hold a lax.cond's branches (which may use values defined
+# before the op) or a while loop's body and condition (which do not here).
+_CAPTURING_OPS = frozenset({"stablehlo.case", "stablehlo.if"})
+_LOOP_OPS = frozenset({"stablehlo.while"})
+
+
+class _ProgramOrder:
+    """For one module being lowered: the value each call with effects must
+    follow, per block (``in_program_order``)."""
+
+    def __init__(self) -> None:
+        # block -> (values, avals): the last call with effects in it so far, or
+        # the last op in it that holds one (in its regions, or in the private
+        # function a func.call calls: JAX lowers lax.scan and while loops
+        # into functions of their own).
+        self.last: dict[Any, tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
+        # block -> how many of its operations have been looked at for such calls.
+        self.seen: dict[Any, int] = {}
+        # cond op -> (values, avals) | None: what its branches follow, as it
+        # was in the cond's own block before the cond.
+        self.entering: dict[Any, tuple[tuple[Any, ...], tuple[Any, ...]] | None] = {}
+        # The private functions that hold a call with effects, as func.call
+        # names them, and the calls with effects lowered so far.
+        self.holding: set[str] = set()
+        self.calls: set[Any] = set()
+
+    def available(self, block: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+        """What a call lowered at the end of ``block`` goes after."""
+        found = self._latest_in(block)
+        if found is not None:
+            return found
+        op = _region_owner(block, _CAPTURING_OPS)
+        if op is None:
+            return None
+        if op not in self.entering:
+            self.entering[op] = self.available(op.block)
+        return self.entering[op]
+
+    def _latest_in(self, block: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+        """The last call (or op) with effects in ``block``, counting calls
+        of private functions that hold one, lowered since it was last looked at."""
+        ops = block.operations
+        count, start = len(ops), self.seen.get(block, 0)
+        if self.holding:
+            for i in range(count - 1, start - 1, -1):
+                op = ops[i].operation
+                if self._holds(op):
+                    held = _results(op)
+                    if held is not None:
+                        self.last[block] = held
+                        break
+        self.seen[block] = count
+        return self.last.get(block)
+
+    def _calls_held(self, op: Any) -> bool:
+        """Whether ``op`` is a call with effects or calls a private function holding one."""
+        if op in self.calls:
+            return True
+        return op.name == "func.call" and str(op.attributes["callee"]).lstrip("@") in self.holding
+
+    def _holds(self, op: Any) -> bool:
+        """Whether ``op`` runs a call with effects: it is one, calls a private
+        function that holds one, or holds either in its regions (a loop)."""
+        if self._calls_held(op):
+            return True
+        walk_result = getattr(ir, "WalkResult", None)
+        if not len(op.regions) or walk_result is None:
+            return False
+        found = []
+
+        def visit(inner: Any) -> Any:
+            if self._calls_held(inner):
+                found.append(inner)
+                return walk_result.INTERRUPT
+            return walk_result.ADVANCE
+
+        op.walk(visit)
+        return bool(found)
+
+    def lowered(self, block: Any, result: tuple[tuple[Any, ...], tuple[Any, ...]]) -> None:
+        """A call with effects was lowered into ``block``; ``result``: its
+        first result and aval. The ops around the block now hold one."""
+        self.last[block] = result
+        self.seen[block] = len(block.operations)
+        self.calls.add(result[0][0].owner)
+        op = _region_owner(block, _CAPTURING_OPS | _LOOP_OPS)
+        while op is not None:
+            outer = op.block
+            if op.name in _CAPTURING_OPS and op not in self.entering:
+                self.entering[op] = self.available(outer)  # before the cond counts in its block
+            held = _results(op)
+            if held is not None:
+                self.last[outer] = held
+                self.seen[outer] = len(outer.operations)
+            block, op = outer, _region_owner(outer, _CAPTURING_OPS | _LOOP_OPS)
+        function = getattr(block, "owner", None)
+        function = getattr(function, "operation", function)
+        if function is not None and function.name == "func.func" and "sym_name" in function.attributes:
+            self.holding.add(str(function.attributes["sym_name"]).strip('"'))
+
+
+def _region_owner(block: Any, names: frozenset[str]) -> Any:
+    """The operation whose region holds ``block``, if it is one of ``names``."""
+    owner = getattr(block, "owner", None)
+    op = getattr(owner, "operation", owner)
+    return op if op is not None and op.name in names else None
+
+
+def _results(op: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+    """``op``'s array results and their avals, or None when it has none."""
+    values, avals = [], []
+    for value in op.results:
+        try:
+            tensor = ir.RankedTensorType(value.type)
+        except (TypeError, ValueError):
+            continue  # a token, say
+        element = str(tensor.element_type)
+        for dtype in _ORDER_DTYPES:
+            if str(mlir.dtype_to_ir_type(dtype)) == element:
+                values.append(value)
+                avals.append(ShapedArray(tuple(tensor.shape), dtype))
+                break
+    return (tuple(values), tuple(avals)) if values else None
+
+
+_ORDER_DTYPES = tuple(
+    np.dtype(name)
+    for name in (
+        "float32", "float64", "float16", "int32", "int64", "int8", "int16", "uint8", "uint16", "uint32",
+        "uint64", "bool", "complex64", "complex128",
+    )
+)
 
 
 def lower_nested_calls_in_place(prim: Primitive, has_effects: Callable[[dict[str, Any]], bool]) -> None:
@@ -420,7 +563,7 @@ def lower_nested_calls_in_place(prim: Primitive, has_effects: Callable[[dict[str
       that holds such a call, and says nothing of shardings, layouts or
       compiler options, outside a sharded jit, is lowered inline instead (it
       computes the same);
-    - JAX lowers each ``checkpoint`` and ``custom_jvp`` once, aside, and
+    - JAX lowers each ``checkpoint``, ``custom_jvp`` and ``lax.cond`` once, aside, and
       copies the result into the caller; they are lowered in place each
       time instead (only lowering takes longer).
 
@@ -433,7 +576,12 @@ def lower_nested_calls_in_place(prim: Primitive, has_effects: Callable[[dict[str
             return None
         return lowerings.get(p)
 
-    for copied in (getattr(_ad_checkpoint, "remat_p", None), getattr(_custom_derivatives, "custom_jvp_call_p", None)):
+    copied_aside = (
+        getattr(_ad_checkpoint, "remat_p", None),
+        getattr(_custom_derivatives, "custom_jvp_call_p", None),
+        getattr(_conditionals, "cond_p", None),
+    )
+    for copied in copied_aside:
         entry = own_rule(copied)
         if entry is not None:
             _register_lowering_in_place(copied, entry.rule, inline=entry.inline)

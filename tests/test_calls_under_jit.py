@@ -196,6 +196,22 @@ IN_ORDER = {
     "nested_jits": lambda f: lambda x: (jax.jit(f)(_late(x)), jax.jit(f)(x)),
     "inside_a_checkpoint": lambda f: lambda x: (f(_late(x)), jax.checkpoint(f)(x)),
     "inside_a_custom_jvp": lambda f: lambda x: (_custom_jvp_of(f)(_late(x)), f(x)),
+    # lax.cond, scan and fori_loop hold calls of their own (a cond is lowered
+    # in place, its first call taking the last one before it; a loop's
+    # private function counts as one call for the calls after it).
+    "then_a_cond": lambda f: lambda x: (f(_late(x)), jax.lax.cond(x[0] > -100, f, lambda v: v, x)),
+    "a_cond_first": lambda f: lambda x: (jax.lax.cond(x[0] > -100, f, lambda v: v, _late(x)), f(x)),
+    "a_call_in_either_branch": lambda f: lambda x: (
+        f(_late(x)),
+        jax.lax.cond(x[0] > -100, f, lambda v: f(v) * 2, x),
+        f(jnp.sin(x)),
+    ),
+    "nested_conds": lambda f: lambda x: (
+        f(_late(x)),
+        jax.lax.cond(x[0] > -100, lambda v: jax.lax.cond(v[1] > -100, f, lambda u: u, v), lambda v: v, x),
+    ),
+    "a_scan_first": lambda f: lambda x: (jax.lax.scan(lambda c, _: (c, f(c)), _late(x), None, 2)[1], f(x)),
+    "a_fori_loop_first": lambda f: lambda x: (jax.lax.fori_loop(0, 2, lambda i, c: f(c), _late(x)), f(x)),
 }
 
 
@@ -215,6 +231,12 @@ TORCH_IN_ORDER = {
     "inside_a_custom_jvp": _torch_late_input_first,
     "three": lambda f: lambda x: (f(_torch_late(x) * 3), f(torch.tanh(x)), f(x)),
     "value_and_gradient": lambda f: lambda x: (f(_torch_late(x)), torch.func.grad(lambda y: (f(y) ** 2).sum())(x)),
+    "then_a_cond": _torch_late_input_first,
+    "a_cond_first": _torch_late_input_first,
+    "a_call_in_either_branch": lambda f: lambda x: (f(_torch_late(x)), f(x), f(torch.sin(x))),
+    "nested_conds": _torch_late_input_first,
+    "a_scan_first": lambda f: lambda x: (torch.stack([f(_torch_late(x)) for _ in range(2)]), f(x)),
+    "a_fori_loop_first": lambda f: lambda x: (f(f(_torch_late(x))), f(x)),
 }
 
 
