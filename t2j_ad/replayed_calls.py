@@ -102,18 +102,17 @@ PyTorch, so four places keep it:
   was lowered apart from its caller's block (a function of its own, or
   lowered once and copied in), so those are lowered in place when they hold
   such a call (``_jax_internals.lower_nested_calls_in_place``; a nested jit
-  only where it says nothing of shardings or layouts), and so is a
-  ``lax.cond`` (JAX lowers each once, aside, too). The first such call in a
-  branch takes the last one before the cond (a branch may use values from
-  before it), and a cond, ``scan`` or while loop that holds one counts as
-  such a call for the calls after it in its block: they take all its
-  results, since XLA forwards a loop's unchanged carries past the loop (a
-  loop's body is a function of its own, found through the ``func.call``s
-  JAX makes). Without that, a call in a cond ran before the call the
-  program makes first, drawing its numbers. Still ordered by their data
-  alone: the first call in a loop's body against calls before the loop (a
-  loop takes no extra operand), and the per-device calls of a sharded
-  ``jit``.
+  only where it says nothing of shardings or layouts), and so are
+  ``lax.cond``, ``lax.scan`` and while loops (JAX lowers each once, aside,
+  too) and a ``closed_call`` holding such a call (how JAX wraps a loop's
+  body). The first such call in a branch or a loop's body takes the last
+  one before the cond or loop (their regions may use values from before
+  them), and a cond or loop that holds one counts as such a call for the
+  calls after it in its block: they take all its results, since XLA
+  forwards a loop's unchanged carries past the loop. Without that, a call
+  in a cond ran before the call the program makes first, drawing its
+  numbers, and calls after a scan ran before the scan's. Still ordered by
+  their data alone: the per-device calls of a sharded ``jit``.
 - Before lowering, JAX's dead-code elimination dropped a call none of whose
   outputs the jitted function uses, and a ``jit``, ``scan``, ``cond`` or
   ``while_loop`` none of whose outputs it uses: the call drew nothing, and a
