@@ -442,6 +442,9 @@ class _ProgramOrder:
         # names them, and the calls with effects lowered so far.
         self.holding: set[str] = set()
         self.calls: set[Any] = set()
+        # MLIR element type (as text) -> the dtype of an aval, made in the
+        # module's context on first use.
+        self.dtypes: dict[str, np.dtype] = {}
 
     def available(self, block: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
         """What a call lowered at the end of ``block`` goes after."""
@@ -464,7 +467,7 @@ class _ProgramOrder:
             for i in range(count - 1, start - 1, -1):
                 op = ops[i].operation
                 if self._holds(op):
-                    held = _results(op)
+                    held = self._results(op)
                     if held is not None:
                         self.last[block] = held
                         break
@@ -475,7 +478,7 @@ class _ProgramOrder:
         """Whether ``op`` is a call with effects or calls a private function holding one."""
         if op in self.calls:
             return True
-        return op.name == "func.call" and str(op.attributes["callee"]).lstrip("@") in self.holding
+        return op.name == "func.call" and ir.FlatSymbolRefAttr(op.attributes["callee"]).value in self.holding
 
     def _holds(self, op: Any) -> bool:
         """Whether ``op`` runs a call with effects: it is one, calls a private
@@ -496,9 +499,26 @@ class _ProgramOrder:
         op.walk(visit)
         return bool(found)
 
+    def _results(self, op: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+        """``op``'s array results and their avals, or None when it has none."""
+        if not self.dtypes:
+            self.dtypes = {str(mlir.dtype_to_ir_type(dtype)): dtype for dtype in _ORDER_DTYPES}
+        values, avals = [], []
+        for value in op.results:
+            try:
+                tensor = ir.RankedTensorType(value.type)
+            except (TypeError, ValueError):
+                continue  # a token, say
+            dtype = self.dtypes.get(str(tensor.element_type))
+            if dtype is not None:
+                values.append(value)
+                avals.append(ShapedArray(tuple(tensor.shape), dtype))
+        return (tuple(values), tuple(avals)) if values else None
+
     def lowered(self, block: Any, result: tuple[tuple[Any, ...], tuple[Any, ...]]) -> None:
         """A call with effects was lowered into ``block``; ``result``: its
-        first result and aval. The ops around the block now hold one."""
+        first result and aval, each in a one-element tuple. The ops around
+        the block now hold one."""
         self.last[block] = result
         self.seen[block] = len(block.operations)
         self.calls.add(result[0][0].owner)
@@ -507,15 +527,22 @@ class _ProgramOrder:
             outer = op.block
             if op not in self.entering:
                 self.entering[op] = self.available(outer)  # before the op counts in its block
-            held = _results(op)
+            held = self._results(op)
             if held is not None:
                 self.last[outer] = held
                 self.seen[outer] = len(outer.operations)
             block, op = outer, _region_owner(outer, _CAPTURING_OPS)
         function = getattr(block, "owner", None)
         function = getattr(function, "operation", function)
-        if function is not None and function.name == "func.func" and "sym_name" in function.attributes:
-            self.holding.add(str(function.attributes["sym_name"]).strip('"'))
+        if function is not None and function.name == "func.func" and _is_private(function):
+            # Only a private function is called from elsewhere in the module.
+            self.holding.add(ir.StringAttr(function.attributes["sym_name"]).value)
+
+
+def _is_private(function: Any) -> bool:
+    attributes = function.attributes
+    visibility = attributes["sym_visibility"] if "sym_visibility" in attributes else None
+    return "sym_name" in attributes and visibility is not None and ir.StringAttr(visibility).value == "private"
 
 
 def _region_owner(block: Any, names: frozenset[str]) -> Any:
@@ -523,23 +550,6 @@ def _region_owner(block: Any, names: frozenset[str]) -> Any:
     owner = getattr(block, "owner", None)
     op = getattr(owner, "operation", owner)
     return op if op is not None and op.name in names else None
-
-
-def _results(op: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
-    """``op``'s array results and their avals, or None when it has none."""
-    values, avals = [], []
-    for value in op.results:
-        try:
-            tensor = ir.RankedTensorType(value.type)
-        except (TypeError, ValueError):
-            continue  # a token, say
-        element = str(tensor.element_type)
-        for dtype in _ORDER_DTYPES:
-            if str(mlir.dtype_to_ir_type(dtype)) == element:
-                values.append(value)
-                avals.append(ShapedArray(tuple(tensor.shape), dtype))
-                break
-    return (tuple(values), tuple(avals)) if values else None
 
 
 _ORDER_DTYPES = tuple(
@@ -591,23 +601,31 @@ def lower_nested_calls_in_place(prim: Primitive, has_effects: Callable[[dict[str
             _register_lowering_in_place(copied, entry.rule, inline=entry.inline)
 
     inline = getattr(_custom_derivatives, "_custom_jvp_vjp_call_lowering", None)
+    if inline is None:
+        return
+
+    def inlined_when_holding(p: Any, jaxpr_of: Callable[[dict[str, Any]], Any], also: Callable[..., bool]) -> None:
+        """``p``'s lowering, inline instead where its jaxpr (``jaxpr_of`` its
+        parameters, a ClosedJaxpr) holds such a call and ``also`` accepts its
+        parameters, outside a sharded jit."""
+        entry = own_rule(p)
+        if entry is None:
+            return
+
+        def rule(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
+            jaxpr = jaxpr_of(params)
+            if partitioned_devices(ctx) <= 1 and also(params) and _holds_one(prim, has_effects, jaxpr.jaxpr):
+                return inline(ctx, *args, call_jaxpr=jaxpr)
+            return entry.rule(ctx, *args, **params)
+
+        _register_lowering_in_place(p, rule, inline=entry.inline)
+
+    def closed(jaxpr: Any) -> Any:
+        return jaxpr if hasattr(jaxpr, "consts") else _core.ClosedJaxpr(jaxpr, ())
+
     closed_call_p = getattr(_core, "closed_call_p", None)
-    entry = own_rule(closed_call_p)
-    if inline is not None and entry is not None:
-        closed_call_entry = entry
-
-        def closed_call_rule(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
-            jaxpr = params["call_jaxpr"]
-            closed = jaxpr if hasattr(jaxpr, "consts") else _core.ClosedJaxpr(jaxpr, ())
-            if partitioned_devices(ctx) <= 1 and _holds_one(prim, has_effects, closed.jaxpr):
-                return inline(ctx, *args, call_jaxpr=closed)
-            return closed_call_entry.rule(ctx, *args, **params)
-
-        _register_lowering_in_place(closed_call_p, closed_call_rule, inline=entry.inline)
-
-    jit_p = getattr(_pjit, "jit_p", None)
-    entry = own_rule(jit_p)
-    if inline is None or entry is None or UnspecifiedValue is None:
+    inlined_when_holding(closed_call_p, lambda params: closed(params["call_jaxpr"]), lambda params: True)
+    if UnspecifiedValue is None:
         return
 
     def plain(params: dict[str, Any]) -> bool:
@@ -619,17 +637,7 @@ def lower_nested_calls_in_place(prim: Primitive, has_effects: Callable[[dict[str
             and not params.get("compiler_options_kvs")
         )
 
-    def jit_rule(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
-        jaxpr = params["jaxpr"]
-        if (
-            partitioned_devices(ctx) <= 1
-            and plain(params)
-            and _holds_one(prim, has_effects, jaxpr.jaxpr)
-        ):
-            return inline(ctx, *args, call_jaxpr=jaxpr)
-        return entry.rule(ctx, *args, **params)
-
-    _register_lowering_in_place(jit_p, jit_rule, inline=entry.inline)
+    inlined_when_holding(getattr(_pjit, "jit_p", None), lambda params: params["jaxpr"], plain)
 
 
 def _register_lowering_in_place(prim: Primitive, rule: Callable[..., Any], inline: bool = True) -> None:

@@ -61,6 +61,9 @@ def _make_vjp(t: Vjp, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], ba
     wrt_avals = [ins[i] for i in t.wrt]
     # The function's own output names where this reverse pass is the first transform.
     out_names = getattr(base, "out_names", None) if len(prefix) == 1 else None
+    # As the runner's value calls: on a CPU-only PyTorch the only other
+    # device is meta, which the value call refuses first.
+    other_devices = torch.cuda.is_available()
 
     def vjp_fn(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         primals, cotangents = args[:n], args[n:]
@@ -75,7 +78,7 @@ def _make_vjp(t: Vjp, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], ba
             # differentiating the cast makes the dtypes agree exactly. (Only
             # where they differ: every op costs dispatch under torch.func.)
             outs = restricted(*values)
-            for k, (o, c) in enumerate(zip(outs, cotangents)):
+            for k, (o, c) in enumerate(zip(outs, cotangents) if other_devices else ()):
                 if isinstance(o, torch.Tensor) and o.device != c.device:
                     # Autograd would fail deep inside, naming neither (the
                     # value call refuses such an output by name too).

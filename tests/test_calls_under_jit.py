@@ -212,6 +212,12 @@ IN_ORDER = {
     ),
     "a_scan_first": lambda f: lambda x: (jax.lax.scan(lambda c, _: (c, f(c)), _late(x), None, 2)[1], f(x)),
     "a_fori_loop_first": lambda f: lambda x: (jax.lax.fori_loop(0, 2, lambda i, c: f(c), _late(x)), f(x)),
+    # A nested jit with shardings of its own stays a function apart: the
+    # calls after it take its results.
+    "a_nested_jit_with_shardings_first": lambda f: lambda x: (
+        jax.jit(f, in_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))(_late(x)),
+        f(x),
+    ),
     "then_a_scan": lambda f: lambda x: (f(_late(x)), jax.lax.scan(lambda c, _: (c, f(c)), x, None, 2)[1]),
     "then_a_fori_loop": lambda f: lambda x: (f(_late(x)), jax.lax.fori_loop(0, 2, lambda i, c: f(c), x)),
 }
@@ -239,6 +245,7 @@ TORCH_IN_ORDER = {
     "nested_conds": _torch_late_input_first,
     "a_scan_first": lambda f: lambda x: (torch.stack([f(_torch_late(x)) for _ in range(2)]), f(x)),
     "a_fori_loop_first": lambda f: lambda x: (f(f(_torch_late(x))), f(x)),
+    "a_nested_jit_with_shardings_first": _torch_late_input_first,
     "then_a_scan": lambda f: lambda x: (f(_torch_late(x)), torch.stack([f(x) for _ in range(2)])),
     "then_a_fori_loop": lambda f: lambda x: (f(_torch_late(x)), f(f(x))),
 }

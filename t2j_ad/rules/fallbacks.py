@@ -373,15 +373,11 @@ def forward_mode(
     ``over_reverse``: ``fn`` holds a reverse pass (a Hessian's inner
     gradient), refused if that pass runs a ``@once_differentiable``
     backward (``_refuse_marked_reverse_pass``)."""
-    if over_reverse:
-        _refuse_marked_reverse_pass(base)
     decided = decisions(base)
+    out_tangents = None
     if decided.get(("jvp", key)) != "double_vjp":
         try:
-            _, out_tangents = torch.func.jvp(fn, tuple(primals), tuple(tangents))
-            if over_reverse:
-                _refuse_marked_reverse_pass(base)
-            return tuple(out_tangents)
+            out_tangents = tuple(torch.func.jvp(fn, tuple(primals), tuple(tangents))[1])
         except (RuntimeError, NotImplementedError) as err:
             if not _refused(err, _FORWARD_REFUSALS):
                 raise
@@ -396,10 +392,11 @@ def forward_mode(
                 f"({_first_line(err)}). Results are exact; it costs two "
                 f"reverse passes.{advice}",
             )
-    tangents_out = double_vjp_jvp(fn, primals, tangents, base=base, key=key)
+    if out_tangents is None:
+        out_tangents = double_vjp_jvp(fn, primals, tangents, base=base, key=key)
     if over_reverse:
         _refuse_marked_reverse_pass(base)
-    return tangents_out
+    return out_tangents
 
 
 def _refuse_marked_reverse_pass(base: Any) -> None:
