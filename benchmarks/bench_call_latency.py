@@ -31,6 +31,11 @@ function that reads only the last 8 elements (``x[-8:] * 2``), so the time is
 all overhead and a copy of the input (tens of ms) would stand out; a full
 reduction (``x.sum()``) is shown too.
 
+A module of many submodules, 40 x (``Linear(8, 8)``, ``Tanh``) on a (4, 8)
+input: ``jaxify_module``'s call, jitted, against the module called directly.
+What t2j_ad adds over the direct call is the custom call above plus binding
+the parameters into the module (NOTE [binding tensors into a module]).
+
     python benchmarks/bench_call_latency.py [--threads 1] [--large-mb 256]
 """
 
@@ -249,6 +254,37 @@ def large(megabytes: int, repeats: int) -> str:
     return "\n\n".join(rows)
 
 
+MODULE_LAYERS = 40
+
+
+def module_call(repeats: int) -> str:
+    torch.manual_seed(0)
+    layers = [layer for _ in range(MODULE_LAYERS) for layer in (torch.nn.Linear(8, 8), torch.nn.Tanh())]
+    module = torch.nn.Sequential(*layers).to(torch_device())
+    apply, params = t2j_ad.jaxify_module(module)
+    f = jax.jit(apply)
+    x = jax.random.normal(jax.random.key(1), (4, 8), jnp.float32)
+    tx = torch.from_dlpack(x).clone()
+    with torch.no_grad():
+        np.testing.assert_allclose(np.asarray(f(params, x)), module(tx).cpu().numpy(), rtol=1e-5, atol=1e-6)
+
+    def direct():
+        with torch.no_grad():
+            return module(tx)
+
+    timings = time_calls(
+        {"torch direct": torch_done(direct), "t2j_ad ffi": lambda: f(params, x).block_until_ready()},
+        warmup=3,
+        repeats=repeats,
+    )
+    by = {t.name: t.median for t in timings}
+    return (
+        markdown_table(timings, "torch direct")
+        + f"\n\nt2j_ad ffi adds {_signed(by['t2j_ad ffi'] - by['torch direct'])} over the direct call "
+        f"({len(list(module.modules()))} modules, {len(params)} parameters)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1, help="PyTorch threads (default 1)")
@@ -259,6 +295,7 @@ def main() -> None:
     sections = [
         ("Small input: `torch.sin(x) * 2`, x float32 (8,), jitted", small(args.repeats)),
         (f"Large input: {args.large_mb} MB float32, jitted", large(args.large_mb, args.repeats)),
+        (f"A module: {MODULE_LAYERS} x (Linear(8, 8), Tanh), input (4, 8), jitted", module_call(args.repeats)),
     ]
     if torch_device().type == "cuda":
         sections.append(("Pieces of a GPU call, each alone", gpu_pieces(args.repeats)))

@@ -23,8 +23,13 @@ length of the call, and binding the module's own back after. Each module's
 own tensors are bound once: ``_TensorSlots`` lists every (module, name)
 holding a parameter or buffer, each module once however many names it has,
 with the name ``named_parameters()`` gives the tensor (a tied weight has
-one), found at each call in the module as it is then (a submodule replaced
-after ``jaxify_module`` runs on ``params`` too). torch.func.functional_call
+one), found in the module as it is at each call (a submodule replaced
+after ``jaxify_module`` runs on ``params`` too). The walk that finds them
+(191 us for 81 modules) is made again only when the module changed since
+the last call: each call reads every module's parameter, buffer and child
+tables (the tables themselves, their names and what they hold, compared by
+identity; 49 us for 81 modules), which sees a change made through any path,
+``setattr``, ``del`` or a table written directly. torch.func.functional_call
 bound the tensors of a submodule shared by two parents once per name, and
 its second swap saved the first one's tensor as "the module's": the module
 was left holding a call's input (a view of an XLA buffer) or a trace's fake
@@ -45,6 +50,7 @@ once (under the same lock) and never swaps again.
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -98,6 +104,39 @@ class _TensorSlots:
             for name, held in sub._buffers.items():
                 if held is not None:
                     self.buffers.append((sub._buffers, name, keys[id(held)]))
+
+
+def _tables_held(modules: list[torch.nn.Module]) -> list[Any]:
+    """Each module's parameter, buffer and child tables, each followed by its
+    names and what it holds: the same objects in the same order only while
+    no table was replaced, added to, taken from or written to."""
+    held: list[Any] = []
+    for sub in modules:
+        for table in (sub._parameters, sub._buffers, sub._modules):
+            held.append(table)
+            held.extend(table)
+            held.extend(table.values())
+    return held
+
+
+class _SlotsNow:
+    """A module's ``_TensorSlots``, walked again only after the module changed
+    (NOTE [binding tensors into a module])."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._module = module
+        self._walk()
+
+    def _walk(self) -> None:
+        self.slots = _TensorSlots(self._module)
+        self._modules = [sub for _, sub in self._module.named_modules()]
+        self._held = _tables_held(self._modules)
+
+    def now(self) -> _TensorSlots:
+        held = _tables_held(self._modules)
+        if len(held) != len(self._held) or not all(map(operator.is_, held, self._held)):
+            self._walk()
+        return self.slots
 
 
 @contextlib.contextmanager
@@ -224,6 +263,7 @@ def jaxify_module(
     # NOTE [a module's devices]: copied now to where the parameters went.
     buffers.on(torch_device(_first_device(params.values(), device)))
     in_module = threading.RLock()  # NOTE [one module, many threads]
+    slots_now = _SlotsNow(module)  # read and rewalked under in_module
 
     def forward(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         on_device = buffers.on(_call_device(params, args, kwargs))
@@ -232,7 +272,7 @@ def jaxify_module(
         # copies. NOTE [binding tensors into a module]
         copies = None if on_device is buffers.home else on_device
         with in_module:
-            slots = _TensorSlots(module)  # the module as it is now, as functional_call found it
+            slots = slots_now.now()  # the module as it is now, as functional_call found it
             with _bound(slots.params, params), _bound(slots.buffers, copies):
                 return module(*args, **kwargs)
 

@@ -163,3 +163,57 @@ def test_a_submodule_replaced_after_jaxify_module_runs_on_the_params_passed():
     module[0] = nn.Linear(3, 3).to(TORCH_DEVICE)
     after = apply(params, x), jax.grad(lambda p: apply(p, x).sum())(params)
     assert_tree_allclose(after, before)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["child_table", "parameter_table", "setattr_parameter", "del_and_setattr"],
+)
+def test_a_change_made_to_the_module_between_calls_is_seen(change):
+    # The slots are walked again only after the module changed, however it
+    # was changed (NOTE [binding tensors into a module]): each change keeps
+    # the call running on the params passed.
+    module = _seeded(nn.Sequential(nn.Linear(3, 3), nn.Tanh()))
+    apply, params = t2j_ad.jaxify_module(module)
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(2, 3)), jnp.float32)
+    before = apply(params, x), jax.grad(lambda p: apply(p, x).sum())(params)
+    new_weight = nn.Parameter(torch.zeros(3, 3, device=TORCH_DEVICE))
+    if change == "child_table":
+        module._modules["0"] = nn.Linear(3, 3).to(TORCH_DEVICE)
+    elif change == "parameter_table":
+        module[0]._parameters["weight"] = new_weight
+    elif change == "setattr_parameter":
+        module[0].weight = new_weight
+    else:
+        del module[0].weight
+        module[0].weight = new_weight
+    after = apply(params, x), jax.grad(lambda p: apply(p, x).sum())(params)
+    assert_tree_allclose(after, before)
+    assert all(t.device.type != "meta" for t in module.parameters())
+
+
+def test_an_unchanged_module_is_not_walked_again(monkeypatch):
+    from t2j_ad import module as module_py
+
+    walks = []
+    real = module_py._TensorSlots.__init__
+
+    def counting(self, module):
+        walks.append(module)
+        real(self, module)
+
+    monkeypatch.setattr(module_py._TensorSlots, "__init__", counting)
+    module = _seeded(nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2)))
+    apply, params = t2j_ad.jaxify_module(module)
+    x = jnp.ones((2, 3), jnp.float32)
+    for _ in range(3):
+        apply(params, x)
+    assert len(walks) == 1  # when jaxify_module ran
+    module[2] = nn.Linear(3, 2).to(TORCH_DEVICE)
+    for _ in range(3):
+        got = apply(params, x)
+    assert len(walks) == 2
+    with torch.no_grad():
+        module[2].weight.copy_(torch.as_tensor(np.array(params["2.weight"]), device=TORCH_DEVICE))
+        module[2].bias.copy_(torch.as_tensor(np.array(params["2.bias"]), device=TORCH_DEVICE))
+    assert_tree_allclose(got, _reference(module, x), rtol=1e-5, atol=1e-6)
