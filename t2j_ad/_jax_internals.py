@@ -48,6 +48,11 @@ from jax._src.util import weakref_cache_key_types
 # under pmap.
 from jax._src.sharding_impls import ShardingContext
 
+# A partitioner's sharding, read as a PartitionSpec of a mesh (what
+# custom_partitioning decodes, failing where none says it: NOTE [shardings
+# no PartitionSpec says] in rules/partitioning.py).
+from jax._src.sharding_impls import parse_flatten_op_sharding
+
 # Partitioning a custom call (experimental in JAX 0.10; Shardy reads the
 # SdyShardingRule, the GSPMD partitioner the inference callback).
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
@@ -110,6 +115,7 @@ float0 = jax.dtypes.float0
 
 __all__ = [
     "ArrayMapping",
+    "as_named_sharding",
     "SdyShardingRule",
     "custom_partitioning",
     "Primitive",
@@ -123,6 +129,8 @@ __all__ = [
     "match_varying",
     "partitioned_devices",
     "result_aval",
+    "explicit_mesh",
+    "spec_entry",
     "register_rules",
     "require_devices_during_lowering",
     "in_program_order",
@@ -159,19 +167,61 @@ def match_varying(args: Sequence[Any]) -> list[Any]:
     return list(_core.auto_insert_reshard(*args))
 
 
-def result_aval(shape: tuple[int, ...], dtype: Any, ins: Sequence[Any]) -> ShapedArray:
-    """A result's aval, varying over the manual axes its inputs vary over."""
+def result_aval(shape: tuple[int, ...], dtype: Any, ins: Sequence[Any], mapped: tuple[int, Any] | None = None) -> ShapedArray:
+    """A result's aval: varying over the manual axes its inputs vary over
+    (inside ``shard_map``); on the Explicit mesh its inputs are typed on,
+    with dimension ``mapped[0]`` sharded as ``mapped[1]`` says (a
+    PartitionSpec entry) and the others whole (NOTE [results on Explicit
+    axes] in primitive.py)."""
     varying = _core.standard_vma_rule("torch_call", *ins)
-    if not varying:
+    if varying:
+        sharding = jax.sharding.NamedSharding(get_abstract_mesh(), jax.sharding.PartitionSpec())
+        return ShapedArray(shape, dtype, sharding=sharding, manual_axis_type=_core.ManualAxisType(varying=varying))
+    mesh = explicit_mesh(ins)
+    if mesh is None:
         return ShapedArray(shape, dtype)
-    sharding = jax.sharding.NamedSharding(get_abstract_mesh(), jax.sharding.PartitionSpec())
-    return ShapedArray(shape, dtype, sharding=sharding, manual_axis_type=_core.ManualAxisType(varying=varying))
+    spec = [None] * len(shape)
+    if mapped is not None and mapped[0] < len(shape):
+        spec[mapped[0]] = mapped[1]
+    return ShapedArray(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+
+def explicit_mesh(avals: Sequence[Any]) -> Any:
+    """The mesh with Explicit axes that some of ``avals`` are typed on, or None."""
+    for aval in avals:
+        mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types:
+            return mesh
+    return None
+
+
+def spec_entry(aval: Any, dim: int) -> Any:
+    """The PartitionSpec entry ``aval``'s type gives dimension ``dim`` (None: whole)."""
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    return None if spec is None or dim >= len(spec) else spec[dim]
 
 
 def require_devices_during_lowering(prim: Primitive) -> None:
     """Make jit hand ``prim``'s lowering the device assignment, as it does for
     ``custom_partitioning`` and ``pure_callback`` (partitioned_devices needs it)."""
     prim_requires_devices_during_lowering.add(prim)
+
+
+def as_named_sharding(sharding: Any, mesh: Any, ndim: int) -> jax.sharding.NamedSharding | None:
+    """``sharding``, as ``custom_partitioning`` hands it over with
+    ``decode_shardings=False`` (a ``GSPMDSharding``), as a ``NamedSharding``
+    of ``mesh``; None where no ``PartitionSpec`` of ``mesh`` says it (NOTE
+    [shardings no PartitionSpec says] in rules/partitioning.py) or the mesh
+    is empty."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    if sharding is None or getattr(mesh, "empty", True):
+        return None
+    try:
+        spec = parse_flatten_op_sharding(sharding._to_xla_hlo_sharding(ndim), mesh)[0]
+    except Exception:  # noqa: BLE001 - JAX asserts or raises IndivisibleError: no spec says it
+        return None
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec, *((None,) * (ndim - len(spec)))))
 
 
 def partitioned_devices(ctx: Any) -> int:

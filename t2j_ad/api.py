@@ -22,6 +22,7 @@ from .graph_mode import resolve_compile_mode
 from . import replayed_calls
 from .inference import infer_outputs
 from .primitive import torch_call
+from .rules.partitioning import local_bases
 from .runtime import TorchCallError, check_environment, not_a_tensor, not_dense
 from .torch_fn import VMAP_METHODS, Aval, BaseFn, TorchFn
 
@@ -331,8 +332,10 @@ class JaxifiedFunction:
         signature and transform stack: ``graphs`` (traced TorchFns, one per
         setting of the training flags of the modules they run),
         ``eager_fallbacks`` (TorchFns that run eagerly: their trace failed,
-        or they replay random draws once per example), ``trace_seconds`` and ``compile_seconds`` (inductor) spent."""
-        bases = [b for entry in list(self._cache.values()) for b in (entry.base, *replayed_calls.variants(entry.base))]
+        or they replay random draws once per example), ``trace_seconds`` and ``compile_seconds`` (inductor) spent;
+        the per-device functions of a sharded ``jax.jit`` included."""
+        family = [b for entry in list(self._cache.values()) for b in (entry.base, *replayed_calls.variants(entry.base))]
+        bases = [b for base in family for b in (base, *local_bases(base))]
         artifacts = [a for base in bases for a in graph_mode.artifacts(base)]
         return {
             "graphs": sum(a.run is not None for a in artifacts),

@@ -38,6 +38,20 @@ a *mapped axis* is lowered through JAX's ``custom_partitioning`` instead:
 
 Without a mapped axis (a plain call not declared batch-mapped, a reduction
 such as a loss's gradient) the call stays replicated, as before.
+
+NOTE [shardings no PartitionSpec says]
+A reshape can split one mesh axis over two dimensions: a batch of 16 rows on
+4 devices, reshaped to (2, 8, ...), has its first dimension split over one
+half of the devices and its second over the other, and a slice of it
+(``x.reshape(2, 8, 3)[0]``) lives on two of the four. No PartitionSpec of the
+mesh says that, and ``custom_partitioning``, which decodes each operand's
+sharding into one before calling back, failed inside JAX (an
+AssertionError, or IndivisibleError under ``jax.vmap``): the whole
+compilation failed. So the callbacks take the shardings undecoded
+(``decode_shardings=False``) and decode them themselves
+(``_jax_internals.as_named_sharding``); one no spec says counts as
+unsharded, and the call runs replicated, its operands gathered, as an
+undeclared call would.
 """
 
 from __future__ import annotations
@@ -55,48 +69,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .. import backends
 from ..backends import ffi
 from ..primitive import torch_call
-from .._jax_internals import ArrayMapping, SdyShardingRule, custom_partitioning, lower_fun, partitioned_devices
+from .._jax_internals import (
+    ArrayMapping,
+    SdyShardingRule,
+    as_named_sharding,
+    custom_partitioning,
+    lower_fun,
+    partitioned_devices,
+)
 from ..per_shard import entry_axes
-from ..torch_fn import BaseFn, Jvp, TorchFn, Vjp, Vmap
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchMap:
-    """The mapped axis of each input and output of a TorchFn.
-
-    ``in_dims[i]``: the axis of input i (None: shared, replicated).
-    ``out_dims[j]``: the axis of output j (None: summed over the mapped axis).
-    """
-
-    in_dims: tuple[int | None, ...]
-    out_dims: tuple[int | None, ...]
-    size: int
-
-
-def _through(t: Any, in_dims: tuple[int | None, ...], out_dims: tuple[int | None, ...]):
-    """The mapped axes after transform ``t`` (see NOTE [partitioning torch_call])."""
-    if isinstance(t, Jvp):
-        return in_dims + tuple(in_dims[i] for i in t.wrt), tuple(out_dims[j] for j in t.out)
-    if isinstance(t, Vjp):
-        return in_dims + tuple(out_dims[j] for j in t.out), tuple(in_dims[i] for i in t.wrt)
-    # Vmap inserts its own axis: at v in a vmapped input, at 0 in every output.
-    ins = tuple(d if d is None or v is None or v > d else d + 1 for d, v in zip(in_dims, t.in_dims))
-    return ins, tuple(None if d is None else d + 1 for d in out_dims)
-
-
-def batch_map(fun: TorchFn) -> BatchMap | None:
-    """The axis ``fun`` maps elementwise, or None when it has none."""
-    if fun.transforms and isinstance(fun.transforms[-1], Vmap):
-        v = fun.transforms[-1]
-        return BatchMap(v.in_dims, (0,) * len(fun.out_avals), v.axis_size)
-    base = fun.base
-    if base.batch_in_dims is None:
-        return None
-    in_dims: tuple[int | None, ...] = base.batch_in_dims
-    out_dims: tuple[int | None, ...] = (0,) * len(base.out_avals)
-    for t in fun.transforms:
-        in_dims, out_dims = _through(t, in_dims, out_dims)
-    return BatchMap(in_dims, out_dims, base.out_avals[0].shape[0])
+from ..mapped_axes import BatchMap, batch_map
+from ..torch_fn import BaseFn, TorchFn, Vmap
 
 
 # Global BaseFn -> {local size: its per-device copy}. Weak keys: the copies
@@ -115,6 +98,12 @@ def _local_base(base: BaseFn, size: int) -> BaseFn:
         return local
 
 
+def local_bases(base: BaseFn) -> list[BaseFn]:
+    """The per-device copies of ``base`` made so far (one per local size)."""
+    with _local_bases_lock:
+        return list(_local_bases.get(base, {}).values())
+
+
 def local_fun(fun: TorchFn, size: int) -> TorchFn:
     """``fun`` on ``size`` rows of its mapped axis (equal by value on every call)."""
     if fun.transforms and isinstance(fun.transforms[-1], Vmap):
@@ -131,10 +120,11 @@ def _axes_of(sharding: Any, dim: int) -> tuple[str, ...]:
 
 
 def _batch_axes(bm: BatchMap, mesh: Any, arg_shapes: Sequence[Any]) -> tuple[str, ...]:
-    """The mesh axes the mapped axis is split over; () to stay replicated."""
+    """The mesh axes the mapped axis is split over; () to stay replicated
+    (NOTE [shardings no PartitionSpec says])."""
     for shape, d in zip(arg_shapes, bm.in_dims):
         if d is not None:
-            axes = _axes_of(shape.sharding, d)
+            axes = _axes_of(as_named_sharding(shape.sharding, mesh, len(shape.shape)), d)
             if axes:
                 n = math.prod(mesh.shape[a] for a in axes)
                 return axes if bm.size % n == 0 else ()
@@ -197,6 +187,7 @@ def _lower_partitioned(ctx: Any, args: Sequence[Any], fun: TorchFn, bm: BatchMap
         partition,
         infer_sharding_from_operands=infer,
         sharding_rule=_sharding_rule(fun, bm),
+        decode_shardings=False,  # NOTE [shardings no PartitionSpec says]
     )
     return lower_fun(lambda *xs: list(partitioned(*xs)))(ctx, *args)
 

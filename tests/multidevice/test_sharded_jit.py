@@ -128,6 +128,64 @@ def test_uneven_batch_stays_replicated_and_correct(mesh):
     assert len(rows) == 4 * 6
 
 
+@pytest.mark.parametrize("partitioner", ["shardy", "gspmd"], indirect=True)
+@pytest.mark.parametrize("view", ["first_half", "vmap_over_halves"])
+def test_a_batch_split_over_two_dimensions_runs_and_is_correct(mesh, partitioner, view):
+    # x.reshape(2, 8, 3) splits the mesh axis over two dimensions, which no
+    # PartitionSpec says; JAX's decoding of it failed the whole compilation
+    # (NOTE [shardings no PartitionSpec says]).
+    f = t2j_ad.jaxify(lambda x: torch.tanh(x) * 2, batch_argnums=0)
+    _, x = _data()
+    xs = jax.device_put(x, NamedSharding(mesh, P("b")))
+    if view == "first_half":
+        got, expected = jax.jit(lambda x: f(x.reshape(2, 8, D)[0]))(xs), jnp.tanh(x[:8]) * 2
+    else:
+        got, expected = jax.jit(lambda x: jax.vmap(f)(x.reshape(2, 8, D)))(xs), jnp.tanh(x).reshape(2, 8, D) * 2
+    assert_tree_allclose(got, expected)
+
+
+def _explicit_mesh():
+    return jax.make_mesh((4,), ("b",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def test_on_explicit_axes_a_vmapped_call_is_typed_sharded_and_runs_per_device():
+    # NOTE [results on Explicit axes]: the result was typed without a mesh,
+    # and the first JAX operation on it under jax.vmap failed.
+    rows = []
+    f = t2j_ad.jaxify(_torch_loss(rows), vmap_method="sequential")
+    w, x = _data()
+    xs = jax.device_put(x, NamedSharding(_explicit_mesh(), P("b")))
+    value = jax.jit(jax.vmap(lambda w, x: f(w, x) * 2 + 1, (None, 0)))
+    grads = jax.jit(jax.vmap(jax.grad(lambda w, x: f(w, x) ** 2), (None, 0)))
+    out = jax.block_until_ready(value(w, xs))
+    assert_tree_allclose(out, jax.vmap(lambda x: _jax_loss(w, x) * 2 + 1)(x))
+    assert jax.typeof(out).sharding.spec == P("b")
+    assert_tree_allclose(grads(w, xs), jax.vmap(jax.grad(lambda w, x: _jax_loss(w, x) ** 2), (None, 0))(w, x))
+    assert _all_gathers(_hlo(grads, w, xs)) == 0
+    rows.clear()
+    jax.block_until_ready(value(w, xs))
+    assert len(rows) == B  # 4 rows on each of 4 devices, not 16 on each
+
+
+def test_on_explicit_axes_a_declared_call_runs_per_device_with_the_collectives_of_pure_jax():
+    rows = []
+    f = t2j_ad.jaxify(lambda x: _torch_loss(rows)(torch.ones(D, dtype=x.dtype), x), batch_argnums=0)
+    _, x = _data()
+    xs = jax.device_put(x, NamedSharding(_explicit_mesh(), P("b")))
+
+    def both(loss):
+        return lambda x: loss(x) * 2 + x.sum()
+
+    ours, pure = jax.jit(both(f)), jax.jit(both(lambda x: _jax_loss(jnp.ones(D), x)))
+    out = jax.block_until_ready(ours(xs))
+    assert_tree_allclose(out, pure(x))
+    assert jax.typeof(out).sharding.spec == jax.typeof(pure(xs)).sharding.spec == P("b")
+    assert _all_gathers(_hlo(ours, xs)) == _all_gathers(_hlo(pure, xs)) == 0
+    rows.clear()  # the shape inference ran on the whole (zeros)
+    jax.block_until_ready(ours(xs))
+    assert rows == [(B // 4, D)] * 4
+
+
 def test_per_example_hessians_and_jvps(mesh):
     f = t2j_ad.jaxify(lambda w, x: (torch.tanh(x @ w) ** 2))
     w, x = _data()
@@ -304,6 +362,20 @@ def test_graph_mode_traces_the_local_batch_and_stays_sharded(mesh, monkeypatch):
         assert out.sharding.spec == P("b")
     assert traced_shapes, "nothing was traced"
     assert all((B // 4, D) in shapes for shapes in traced_shapes), traced_shapes
+
+
+def test_compile_stats_count_the_graphs_of_each_devices_rows(mesh):
+    # A declared function runs per device as a copy of itself sized for the
+    # device's rows; its graphs count in compile_stats like the function's own.
+    w, x = _data()
+    stats = {}
+    for where, rows in (("one device", x), ("sharded", jax.device_put(x, NamedSharding(mesh, P("b"))))):
+        f = t2j_ad.jaxify(lambda w, x: torch.tanh(x @ w), batch_argnums=1, compile="graph")
+        grad = jax.jit(jax.grad(lambda w, x: (f(w, x) ** 2).sum()))
+        assert_tree_allclose(grad(w, rows), jax.grad(lambda w: _jax_loss(w, x).sum())(w))
+        stats[where] = f.compile_stats()
+    assert stats["sharded"]["graphs"] == stats["one device"]["graphs"] >= 2, stats  # the value call and its VJP
+    assert stats["sharded"]["eager_fallbacks"] == 0, stats
 
 
 def test_pmap_gradients_of_a_random_function_replay_each_devices_draws():
