@@ -23,6 +23,7 @@ from . import replayed_calls
 from .inference import infer_outputs
 from .primitive import torch_call
 from .rules.partitioning import local_bases
+from .pytrees import flags_kept  # also: PyTorch's result tuples as pytrees (NOTE [PyTorch's result tuples])
 from .runtime import TorchCallError, check_environment, not_a_tensor, not_dense
 from .torch_fn import VMAP_METHODS, Aval, BaseFn, TorchFn
 
@@ -238,7 +239,10 @@ class JaxifiedFunction:
                 except UnsupportedDtypeError as err:
                     raise TorchCallError(f"{self.name}: {where}: {err}") from None
                 declared.append((jax.tree_util.keystr(path), tuple(leaf.shape), dtype, leaf.dtype))
-            mutation_checked = True
+            # The inference run saw meta tensors or zeros, not the call's
+            # values: a write made only for some values (if (x > 0).any():
+            # x.mul_(2)) waits for them. So the first call gets copies too.
+            mutation_checked = False
         out_avals = []
         for path, shape, dtype, _ in declared:
             canonical = canonical_jax_dtype(dtype)
@@ -289,7 +293,8 @@ class JaxifiedFunction:
                     f"jaxify: batch_argnums names argument {i}, but {self.name} was called with "
                     f"{len(args)} positional argument(s); pass the batched arguments positionally."
                 )
-            mapped.update(jax.tree_util.tree_leaves(args[i]))
+            # The flat input positions in it (a flag, NOTE [Python bools are flags], has none).
+            mapped.update(k for k in jax.tree_util.tree_leaves(args[i]) if type(k) is int)
         sizes = {in_avals[k].shape[0] if in_avals[k].shape else None for k in mapped}
         sizes |= {a.shape[0] if a.shape else None for a in out_avals}
         if len(sizes) != 1 or None in sizes:
@@ -304,7 +309,11 @@ class JaxifiedFunction:
     def signature_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Signature, list[jax.Array]]:
         """The cached (or freshly inferred) signature entry, and flat arrays."""
         self._check_arity(args, kwargs)
-        with_paths, in_tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
+        tree = (args, kwargs)
+        with_paths, in_tree = jax.tree_util.tree_flatten_with_path(tree)
+        flagged = flags_kept(tree, (leaf for _, leaf in with_paths))  # NOTE [Python bools are flags]
+        if flagged is not tree:
+            with_paths, in_tree = jax.tree_util.tree_flatten_with_path(flagged)
         arrays = [_as_array(path, leaf) for path, leaf in with_paths]
         in_avals = tuple(Aval(tuple(a.shape), np.dtype(a.dtype)) for a in arrays)
         key = (in_tree, in_avals)
@@ -369,8 +378,11 @@ def jaxify(
     """Wrap a PyTorch function as a JAX function.
 
     ``jaxify(fn)``, ``@jaxify`` or ``@jaxify(vmap_method=...)``. The result
-    takes pytrees of JAX arrays (NumPy arrays and Python scalars accepted) and
-    returns the pytree ``fn`` returns, as JAX arrays. It works under
+    takes pytrees of JAX arrays (NumPy arrays and Python numbers accepted, as
+    0-d arrays; a Python bool is passed to ``fn`` as it is, a flag, each
+    value its own signature) and returns the pytree ``fn`` returns, as JAX
+    arrays (PyTorch's named result tuples, ``torch.return_types``, keep
+    their fields). It works under
     ``jax.jit`` and every JAX transform (``grad``, ``jacfwd``, ``jacrev``,
     ``hessian``, ``jvp``, ``linearize``, ``vmap``, ``lax.scan``,
     ``checkpoint``), composed to any depth: each derivative or batch is

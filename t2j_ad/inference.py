@@ -2,7 +2,9 @@
 
 First on the ``meta`` device (no data, no computation); if an op has no meta
 kernel (or the code needs real data: NumPy, ``.item()``), one real call on
-zeros. Either run also proves whether the function writes into its inputs.
+zeros. Either run also refuses a function that writes into its inputs there
+(a write made only for some values waits for a real call, and the first real
+call gets copies of its inputs).
 
 NOTE [inference on the call's device]
 A function that closes over a tensor (a weight made with ``device="cuda"``, a
@@ -19,6 +21,19 @@ then the CPU (``devices_to_try``). Shapes and dtypes do not depend on the
 device, so the first device that works answers; if none does, the error
 reported is the one from the call's device. Only a function that fails on
 every device pays for the extra calls, once per signature.
+
+NOTE [empty outputs inferred on zeros]
+JAX needs output shapes fixed by the input shapes and dtypes. A function
+whose output shape depends on the input's values (``torch.nonzero``,
+``x[x > 0]``) has no meta kernel, so its shapes come from the call on zeros.
+A real call that then returns another shape is refused by the runner, but
+only if it runs: an output inferred empty on zeros (``nonzero`` of zeros has
+no rows) is known to XLA without running anything, so XLA dropped the call
+and every call returned that empty array, silently. So when the call on
+zeros leaves an output empty, the function runs once more, on ones; an
+output whose shape differs there is refused now, naming both shapes. A
+function that fails on ones cannot be checked, and is refused too: it may
+pass ``output_shapes=``.
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import torch
 
 from .convert import torch_dtype
@@ -52,9 +68,12 @@ class Inferred(NamedTuple):
     effects: Effects
 
 
-def _run(fn: Callable[..., Any], avals: Sequence[Aval], device: torch.device, name: str) -> tuple[Any, Effects]:
-    """``fn``'s outputs on inputs made on ``device``, and what else it did."""
-    make = torch.empty if device == _META else torch.zeros
+def _run(
+    fn: Callable[..., Any], avals: Sequence[Aval], device: torch.device, name: str, make: Callable[..., torch.Tensor] = torch.zeros
+) -> tuple[Any, Effects]:
+    """``fn``'s outputs on inputs made on ``device`` by ``make`` (zeros, or
+    empty on meta), and what else it did."""
+    make = torch.empty if device == _META else make
     inputs = [make(a.shape, dtype=torch_dtype(a.dtype), device=device) for a in avals]
     versions = [t._version for t in inputs]
     # NOTE [trial runs do not write to real tensors]
@@ -98,14 +117,55 @@ def infer_outputs(fn: Callable[..., Any], avals: Sequence[Aval], name: str, devi
     for where in devices_to_try(device):
         try:
             outputs, effects = _run(fn, avals, where, name)
-            return Inferred(outputs, where, effects)
         except InputMutationError:
             raise
         except Exception as err:  # noqa: BLE001 - reported below if no device works
             first = first or (where, err)
+            continue
+        _check_empty_outputs(fn, avals, where, name, outputs)
+        return Inferred(outputs, where, effects)
     where, err = first
     raise TorchCallError(
         f"the PyTorch function {name} raised {type(err).__name__}: {err}\n"
         f"(while inferring output shapes on zeros on {where}; pass output_shapes= to "
         f"jaxify to skip inference)"
     ) from err
+
+
+def _check_empty_outputs(fn: Callable[..., Any], avals: Sequence[Aval], where: torch.device, name: str, outputs: Any) -> None:
+    """Refuse a function an output of which the call on zeros left empty,
+    unless a call on ones gives every output the same shape (NOTE [empty
+    outputs inferred on zeros])."""
+    leaves = jax.tree_util.tree_leaves(outputs)
+    if not any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in leaves):
+        return
+    advice = (
+        "JAX needs output shapes fixed by the input shapes and dtypes: return a fixed-size result "
+        "(torch.nonzero_static(x, size=n), or a mask and torch.where instead of x[mask]), close over a "
+        "Python number that sets a shape (functools.partial(f, n=2): as an argument it is a 0-d array), "
+        "or pass output_shapes= with the shapes every call returns"
+    )
+    try:
+        on_ones, _ = _run(fn, avals, where, name, torch.ones)
+    except InputMutationError:
+        raise
+    except Exception as err:  # noqa: BLE001 - unknown: refused below, naming the error
+        raise TorchCallError(
+            f"the PyTorch function {name} returned an empty output on zeros (inferring its output shapes "
+            f"on {where}) and raised {type(err).__name__} on ones: {err}. So t2j_ad cannot tell whether "
+            f"its output shapes depend on the input values. {advice}."
+        ) from err
+    if jax.tree_util.tree_structure(on_ones) != jax.tree_util.tree_structure(outputs):
+        raise TorchCallError(
+            f"the output structure of the PyTorch function {name} depends on its input values: "
+            f"{jax.tree_util.tree_structure(outputs)} on zeros, {jax.tree_util.tree_structure(on_ones)} on "
+            f"ones (inferring its output shapes on {where}). {advice}."
+        )
+    for i, (zeros_out, ones_out) in enumerate(zip(leaves, jax.tree_util.tree_leaves(on_ones))):
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (zeros_out, ones_out)]
+        if shapes[0] != shapes[1]:
+            raise TorchCallError(
+                f"the output shapes of the PyTorch function {name} depend on its input values: output {i} "
+                f"has shape {shapes[0]} on zeros and {shapes[1]} on ones (inferring its output shapes on "
+                f"{where}). {advice}."
+            )

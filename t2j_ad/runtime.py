@@ -440,9 +440,10 @@ class _Runner:
         """Raise an error naming the first output that does not match."""
         if not isinstance(results, tuple) or len(results) != self.n_out:
             raise TorchCallError(
-                f"{self.name} returned {len(results) if isinstance(results, tuple) else '?'} outputs "
-                f"(a {type(results).__name__}); "
-                f"expected {self.n_out} (output structure changed between calls?)."
+                f"{self.name} returned "
+                f"{f'{len(results)} outputs (a tuple)' if isinstance(results, tuple) else f'one {type(results).__name__}'}"
+                f"; expected {self.n_out} outputs, as declared by output_shapes or found by inference "
+                f"(output structure changed between calls?)."
             )
         for name, r, aval in zip(self.out_names, results, self.out_avals):
             if not isinstance(r, torch.Tensor):

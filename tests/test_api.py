@@ -82,6 +82,49 @@ def test_python_and_numpy_scalars_are_accepted():
     assert_tree_allclose(out, jnp.full(3, 3.5, jnp.float32))
 
 
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_python_bool_reaches_the_function_as_a_flag(compile):
+    # NOTE [Python bools are flags]: each value its own signature, passed as
+    # the bool itself; NumPy and JAX bools stay arrays.
+    seen = []
+
+    def flagged(x, double):
+        seen.append(type(double))
+        return x * 2 if double else x[:1]
+
+    f = t2j_ad.jaxify(flagged, compile=compile)
+    x = jnp.linspace(-1.0, 1.0, 3)
+    for double, expected in ((True, x * 2), (False, x[:1]), (True, x * 2)):
+        assert_tree_allclose(f(x, double), expected)
+        assert_tree_allclose(jax.jit(lambda x, double=double: f(x, double))(x), expected)
+    assert_tree_allclose(jax.grad(lambda x: f(x, double=True).sum())(x), jnp.full(3, 2.0))
+    assert_tree_allclose(jax.vmap(f, (0, None))(jnp.stack([x, -x]), False), jnp.stack([x[:1], -x[:1]]))
+    assert set(seen) == {bool}
+    g = t2j_ad.jaxify(lambda x, b: torch.where(b, x, -x))
+    assert_tree_allclose(g(x, np.bool_(False)), -x)  # an array: a tensor in PyTorch
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_pytorch_result_tuples_keep_their_named_fields(compile):
+    # NOTE [PyTorch's result tuples]
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(4, 3)), jnp.float32)
+    top = t2j_ad.jaxify(lambda x: torch.topk(x, 2, dim=0), compile=compile)
+    got = jax.jit(top)(x)
+    assert type(got) is torch.return_types.topk
+    expected_values = -jnp.sort(-x, axis=0)[:2]
+    assert_tree_allclose(got.values, expected_values)
+    assert_tree_allclose(got.indices, jnp.argsort(-x, axis=0)[:2].astype(got.indices.dtype))
+    grad = jax.grad(lambda x: (top(x).values ** 2).sum())(x)
+    assert_tree_allclose(grad, jax.grad(lambda x: (jax.lax.top_k(x.T, 2)[0] ** 2).sum())(x))
+    slogdet = t2j_ad.jaxify(torch.linalg.slogdet, compile=compile)
+    square = x[:3] + 3 * jnp.eye(3)
+    sign, logabsdet = jnp.linalg.slogdet(square)
+    got = slogdet(square)
+    assert_tree_allclose((got.sign, got.logabsdet), (sign, logabsdet), rtol=1e-5)
+    nested = t2j_ad.jaxify(lambda x: {"max": torch.max(x, 1), "sum": x.sum()}, compile=compile)(x)
+    assert_tree_allclose(nested["max"].values, x.max(axis=1))
+
+
 ALL_DTYPES = [
     "float16",
     "bfloat16",

@@ -184,6 +184,50 @@ def test_a_call_that_disagrees_with_inference_says_how_the_shapes_were_found(fn,
     np.testing.assert_array_equal(jax.jit(g)(jnp.ones(2)), jnp.ones(2))
 
 
+def _empty_on_zeros_failing_on_ones(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "meta" or x.sum() > 0:
+        raise ValueError("this function takes only zeros")
+    return x[:0]
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        (torch.nonzero, r"output 0 has shape \(0, 1\) on zeros and \(3, 1\) on ones"),
+        (lambda x: x[x > 0], r"output 0 has shape \(0,\) on zeros and \(3,\) on ones"),
+        (lambda x: (x + 1, x[x != 0]), r"output 1 has shape \(0,\) on zeros and \(3,\) on ones"),
+        (_empty_on_zeros_failing_on_ones, r"returned an empty output on zeros .* raised ValueError on ones"),
+    ],
+)
+def test_an_output_inferred_empty_on_zeros_is_checked_on_ones(fn, message):
+    # NOTE [empty outputs inferred on zeros]: XLA dropped such a call, so every
+    # call returned the empty array inferred on zeros, without an error.
+    f = t2j_ad.jaxify(fn)
+    x = jnp.array([0.5, 1.0, 2.0])
+    for call in (f, jax.jit(f)):
+        with pytest.raises(t2j_ad.TorchCallError, match=message + r".*fixed-size result"):
+            call(x)
+
+
+def test_a_python_int_that_sets_a_shape_is_refused_with_how_to_close_over_it():
+    # A Python int argument is a 0-d array (0 in the run on zeros).
+    f = t2j_ad.jaxify(lambda x, n: x[:n] * 2)
+    with pytest.raises(t2j_ad.TorchCallError, match=r"output 0 has shape \(0,\) on zeros and \(1,\) on ones") as err:
+        f(jnp.ones(3), 2)
+    assert "functools.partial(f, n=2)" in str(err.value)
+    closed = t2j_ad.jaxify(lambda x: x[:2] * 2)
+    np.testing.assert_array_equal(closed(jnp.ones(3)), jnp.full(2, 2.0))
+
+
+def test_an_output_empty_whatever_the_values_is_not_refused():
+    # An empty output on zeros and on ones alike (no meta kernel here: .item()).
+    def first_none(x):
+        return x[: int(x.sum().item() * 0)]
+
+    got = jax.jit(t2j_ad.jaxify(first_none))(jnp.ones(3))
+    assert got.shape == (0,)
+
+
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="vmap_method must be one of"):
         t2j_ad.jaxify(lambda x: x, vmap_method="parallel")
