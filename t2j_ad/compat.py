@@ -122,6 +122,11 @@ def t2j(x: torch.Tensor, via: str = "dlpack") -> jax.Array:
     """A JAX array from a torch tensor, on the tensor's device: shared memory
     (``via="dlpack"``) or a copy through host memory (``"cpu"``, ``"host"``)."""
     _check_via(via)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"t2j: x must be a torch.Tensor, got a {type(x).__module__}.{type(x).__qualname__}; "
+            f"make a JAX array of anything else with jnp.asarray(x)."
+        )
     if via == "dlpack":
         return _t2j(x)
     return copy_to_jax(x, jax_device(x.device))

@@ -189,13 +189,25 @@ def copy_to_torch(x: Any) -> torch.Tensor:
     """A torch tensor holding a copy of the JAX array ``x``, made through
     host memory, on the torch device matching ``x``'s (raises as ``j2t``)."""
     x, device = single_device(x)
-    torch_dtype(x.dtype)
+    dtype = torch_dtype(x.dtype)
     value = np.array(x)
-    if value.dtype == jnp.bfloat16:  # NumPy has no bfloat16; JAX's is bit-compatible
-        host = torch.from_numpy(value.view(np.int16)).view(torch.bfloat16)
+    if _numpy_lacks(dtype):
+        host = torch.from_numpy(value.view(_SAME_WIDTH_INT[dtype.itemsize][0])).view(dtype)
     else:
         host = torch.from_numpy(value)
     return host.to(torch_device(device))
+
+
+# The integer type of each width, NumPy's and torch's: the bits of a floating
+# type NumPy lacks cross between them as these (_numpy_lacks).
+_SAME_WIDTH_INT = {1: (np.uint8, torch.uint8), 2: (np.int16, torch.int16)}
+
+
+def _numpy_lacks(dtype: torch.dtype) -> bool:
+    """Whether NumPy lacks ``dtype``: bfloat16 and the float8 formats, which
+    JAX takes from ml_dtypes (bit-compatible with torch's) and which
+    ``Tensor.numpy`` and ``torch.from_numpy`` refuse."""
+    return dtype == torch.bfloat16 or (dtype.is_floating_point and dtype.itemsize == 1)
 
 
 def t2j(t: torch.Tensor) -> jax.Array:
@@ -229,8 +241,8 @@ def copy_to_jax(t: torch.Tensor, device: Any = None) -> jax.Array:
     """
     jax_dtype(t.dtype)
     host = t.detach().resolve_conj().resolve_neg().to("cpu", copy=True).contiguous()
-    if host.dtype == torch.bfloat16:  # NumPy has no bfloat16; JAX's is bit-compatible
-        value = host.view(torch.int16).numpy().view(jnp.bfloat16)
+    if _numpy_lacks(host.dtype):
+        value = host.view(_SAME_WIDTH_INT[host.dtype.itemsize][1]).numpy().view(jax_dtype(host.dtype))
     else:
         value = host.numpy()
     return jax.device_put(value, device)

@@ -45,6 +45,23 @@ respect to its own parameters would silently come out zero. So the swap and
 the forward it wraps hold one lock per module; the backward, which runs on
 the recorded graph after the call, does not. Graph mode traces the forward
 once (under the same lock) and never swaps again.
+
+NOTE [PyTorch's inference fast path]
+``nn.MultiheadAttention`` and the ``nn.Transformer*`` layers take a fused
+kernel (``_native_multi_head_attention``, nested tensors for a padding mask)
+when nothing needs a gradient. A call binds the module to parameters that
+do not require grad, so a plain call took it where the same module in
+PyTorch, its parameters requiring grad, does not; and a derivative took it
+or not by transform. The value came out another function than its
+gradient's: zeros at padded positions in a plain call, PyTorch's values
+under ``jax.value_and_grad``; and ``jax.hessian`` of an eval-mode attention
+failed, the fused kernel having no forward-mode derivative. So a module's
+calls run with the fast path off (``torch.backends.mha``), as the module
+runs in PyTorch when it trains; graph mode's traces did so already. The
+switch is process-wide: it is off while any module call runs, and set back
+to what it was when the last one ends, so PyTorch code on another thread
+meanwhile computes without the fast path too (the same values, save the
+positions a padding mask hides).
 """
 
 from __future__ import annotations
@@ -104,6 +121,32 @@ class _TensorSlots:
             for name, held in sub._buffers.items():
                 if held is not None:
                     self.buffers.append((sub._buffers, name, keys[id(held)]))
+
+
+class _FastPathOff:
+    """Within the block, PyTorch's attention fast path is off (NOTE
+    [PyTorch's inference fast path]); blocks on several threads nest."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._was = True
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if not self._depth:
+                self._was = torch.backends.mha.get_fastpath_enabled()
+                torch.backends.mha.set_fastpath_enabled(False)
+            self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._depth -= 1
+            if not self._depth:
+                torch.backends.mha.set_fastpath_enabled(self._was)
+
+
+_fast_path_off = _FastPathOff()
 
 
 def _tables_held(modules: list[torch.nn.Module]) -> list[Any]:
@@ -234,6 +277,10 @@ def jaxify_module(
     in it, and its buffers as constants, so JAX
     can differentiate with respect to ``params``. Each call runs on the device
     of its arrays, the buffers copied there (NOTE [a module's devices]).
+    Attention layers run as when the module trains in PyTorch, off the
+    fused inference fast path of ``torch.backends.mha``, so a plain call
+    computes what its derivatives differentiate (NOTE [PyTorch's inference
+    fast path]).
 
     Args:
         module: the PyTorch module, on any device.
@@ -271,7 +318,7 @@ def jaxify_module(
         # forward that binds a new buffer keeps it, as in PyTorch; elsewhere on
         # copies. NOTE [binding tensors into a module]
         copies = None if on_device is buffers.home else on_device
-        with in_module:
+        with in_module, _fast_path_off:
             slots = slots_now.now()  # the module as it is now, as functional_call found it
             with _bound(slots.params, params), _bound(slots.buffers, copies):
                 return module(*args, **kwargs)

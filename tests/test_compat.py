@@ -22,6 +22,8 @@ from t2j_ad.compat import (
     Torch2JaxInputError,
     dtype_j2t,
     dtype_t2j,
+    j2t,
+    t2j,
     torch2jax,
     torch2jax_with_vjp,
     torch2jax_without_vjp,
@@ -558,6 +560,30 @@ def test_tree_conversions(via):
     assert Size is torch.Size
     with pytest.raises(ValueError, match="via must be one of"):
         tree_t2j(tree, via="gpu")
+
+
+_NUMPY_LACKS = [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz]
+
+
+@pytest.mark.parametrize("via", ["dlpack", "cpu", "host"])
+@pytest.mark.parametrize("dtype", _NUMPY_LACKS + [torch.float8_e8m0fnu], ids=str)
+def test_dtypes_numpy_lacks_cross_both_ways_by_every_route(dtype, via):
+    # Tensor.numpy() and torch.from_numpy refuse these, so a copy through
+    # host memory crosses as same-width integers (bit-compatible formats).
+    values = torch.tensor([[1.0, 2.0], [0.5, 4.0]], device=TORCH_DEVICE).to(dtype)
+    got = t2j(values, via=via)
+    assert got.dtype == dtype_t2j(dtype)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), values.float().cpu().numpy())
+    back = j2t(got, via=via)
+    assert back.dtype == dtype and back.device == values.device
+    bits = torch.uint8 if dtype.itemsize == 1 else torch.int16
+    assert torch.equal(back.view(bits), values.view(bits))
+
+
+def test_t2j_of_something_else_than_a_tensor_says_so():
+    for bad in (np.ones(3), [1.0, 2.0]):
+        with pytest.raises(TypeError, match=r"t2j: x must be a torch.Tensor, got a .*jnp.asarray\(x\)"):
+            t2j(bad)
 
 
 # ------------------------------------------------ torch2jax 0.8's additions

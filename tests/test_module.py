@@ -217,3 +217,49 @@ def test_an_unchanged_module_is_not_walked_again(monkeypatch):
         module[2].weight.copy_(torch.as_tensor(np.array(params["2.weight"]), device=TORCH_DEVICE))
         module[2].bias.copy_(torch.as_tensor(np.array(params["2.bias"]), device=TORCH_DEVICE))
     assert_tree_allclose(got, _reference(module, x), rtol=1e-5, atol=1e-6)
+
+
+def _attention_model():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=4, nhead=2, dim_feedforward=8, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=1).to(TORCH_DEVICE).eval()
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_attention_runs_as_in_training_not_on_the_inference_fast_path(mode):
+    # NOTE [PyTorch's inference fast path]: a plain call took PyTorch's fused
+    # kernel (zeros at padded positions), its gradient did not.
+    module = _attention_model()
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
+    x = jnp.asarray(np.random.default_rng(7).normal(size=(2, 3, 4)), jnp.float32)
+    mask = jnp.asarray([[False, False, True], [False, False, False]])
+    out = jax.jit(lambda p, x: apply(p, x, src_key_padding_mask=mask))(params, x)
+    expected = module(to_torch(x), src_key_padding_mask=to_torch(mask))  # parameters require grad
+    assert_tree_allclose(out, jnp.asarray(to_numpy(expected.detach())), rtol=1e-5, atol=1e-5)
+    value, _ = jax.value_and_grad(lambda p: apply(p, x, src_key_padding_mask=mask).sum())(params)
+    assert_tree_allclose(value, out.sum(), rtol=1e-5, atol=1e-5)
+    assert torch.backends.mha.get_fastpath_enabled()  # set back after the calls
+
+
+def test_hessian_of_eval_mode_attention_matches_torch_func():
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(4, 2, batch_first=True).to(TORCH_DEVICE).eval()
+
+    def forward(x):
+        return attention(x, x, x)[0]
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = attention
+
+        def forward(self, x):
+            return forward(x)
+
+    module = Wrapped()
+    apply, params = t2j_ad.jaxify_module(module)
+    x = jnp.asarray(np.random.default_rng(8).normal(size=(1, 2, 4)), jnp.float32)
+    got = jax.jit(jax.hessian(lambda p: jnp.sin(apply(p, x)).sum()))(params)
+    own = {k: v.detach() for k, v in module.named_parameters()}
+    expected = torch.func.hessian(lambda p: torch.func.functional_call(module, p, (to_torch(x),)).sin().sum())(own)
+    assert_tree_allclose(got, jax.tree_util.tree_map(lambda t: jnp.asarray(to_numpy(t)), expected), rtol=1e-4, atol=1e-5)
