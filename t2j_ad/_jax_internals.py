@@ -69,6 +69,10 @@ from jax._src.mesh import get_abstract_mesh
 # decide which equations partial evaluation runs ahead of the rest.
 from jax._src.interpreters import partial_eval as _pe
 
+# vmap of a while loop: whether it batches the predicate (batch_jaxpr, as
+# JAX's own batching rule finds out).
+from jax._src.interpreters import batching as _batching
+
 # MLIR as JAX builds it: the block a lowering rule emits into.
 from jax._src.lib.mlir import ir
 
@@ -300,6 +304,75 @@ def run_every_call(
     _keep_unused_calls(prim, has_effects, holds_one_in, while_p)
     _refuse_while_loops_run_again(_loop_run_again_refusal(prim, has_effects, name_of), while_p)
     _keep_calls_in_scans(prim, has_effects, holds_one_in)
+    _refuse_batched_predicates(prim, has_effects, name_of, while_p)
+
+
+def _refuse_batched_predicates(
+    prim: Primitive, has_effects: Callable[[dict[str, Any]], bool], name_of: Callable[[dict[str, Any]], str], while_p: Any
+) -> None:
+    """Refuse ``jax.vmap`` of a ``lax.cond`` or ``while_loop`` whose predicate
+    the vmap batches and that holds an equation of ``prim`` with effects
+    (NOTE [calls with effects under jax.jit] in ``replayed_calls.py``): JAX
+    then runs every branch for every example and selects, and a loop's body
+    until the last example is done, so the call would draw or update where
+    the program says it does not. JAX refuses its own IO effects there."""
+
+    def named(jaxprs: Sequence[Any]) -> str | None:
+        for jaxpr in jaxprs:
+            for params in _calls_in(prim, jaxpr):
+                if has_effects(params):
+                    return name_of(params)
+        return None
+
+    def refusal(name: str, where: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"t2j_ad: {name} draws random numbers or updates state it keeps, inside a {where} whose "
+            f"predicate jax.vmap batches: JAX runs such a {where} as a select, every branch (every step) "
+            f"for every example, so the call would run where the program says it does not. Keep the "
+            f"predicate unbatched (the same for every example), or make the call outside the {where} and "
+            f"select its result with jnp.where."
+        )
+
+    cond_p = getattr(_conditionals, "cond_p", None)
+    cond_rule = batching.fancy_primitive_batchers.get(cond_p) if cond_p is not None else None
+    if cond_rule is not None:
+
+        def cond_batching(axis_data: Any, args: Any, dims: Any, **params: Any) -> Any:
+            if dims[0] is not None:  # an unmapped operand's dim is None
+                name = named([branch.jaxpr for branch in params["branches"]])
+                if name is not None:
+                    raise refusal(name, "lax.cond")
+            return cond_rule(axis_data, args, dims, **params)
+
+        batching.fancy_primitive_batchers[cond_p] = cond_batching
+    while_rule = batching.fancy_primitive_batchers.get(while_p) if while_p is not None else None
+    if while_rule is not None:
+
+        def while_batching(axis_data: Any, args: Any, dims: Any, **params: Any) -> Any:
+            name = named([params["body_jaxpr"].jaxpr, params["cond_jaxpr"].jaxpr])
+            if name is not None and _while_predicate_batched(axis_data, dims, **params):
+                raise refusal(name, "lax.while_loop")
+            return while_rule(axis_data, args, dims, **params)
+
+        batching.fancy_primitive_batchers[while_p] = while_batching
+
+
+def _while_predicate_batched(
+    axis_data: Any, dims: Sequence[Any], *, cond_nconsts: int, cond_jaxpr: Any, body_nconsts: int, body_jaxpr: Any
+) -> bool:
+    """Whether ``jax.vmap`` batches a while loop's predicate: the fixpoint
+    over the carries JAX's own batching rule computes."""
+    batched = [d is not None for d in dims]
+    cconst_bat = batched[:cond_nconsts]
+    bconst_bat = batched[cond_nconsts : cond_nconsts + body_nconsts]
+    carry_bat = batched[cond_nconsts + body_nconsts :]
+    for _ in range(1 + len(carry_bat)):
+        _, carry_out = _batching.batch_jaxpr(body_jaxpr, axis_data, bconst_bat + carry_bat, instantiate=carry_bat)
+        if list(carry_out) == carry_bat:
+            break
+        carry_bat = [a or b for a, b in zip(carry_bat, carry_out)]
+    _, (pred_bat,) = _batching.batch_jaxpr(cond_jaxpr, axis_data, cconst_bat + carry_bat, instantiate=False)
+    return bool(pred_bat)
 
 
 def _keep_unused_calls(

@@ -21,6 +21,7 @@ from . import graph_mode
 from .graph_mode import resolve_compile_mode
 from . import replayed_calls
 from .inference import infer_outputs
+from .module_modes import referenced_modules
 from .primitive import torch_call
 from .rules.partitioning import local_bases
 from .pytrees import flags_kept  # also: PyTorch's result tuples as pytrees (NOTE [PyTorch's result tuples])
@@ -94,10 +95,10 @@ class _Signature:
 
 
 def _effects_finder(
-    raw: Callable[..., Any], in_avals: tuple[Aval, ...], name: str, device: torch.device
+    raw: Callable[..., Any], in_avals: tuple[Aval, ...], name: str, device: torch.device, modules: tuple[Any, ...]
 ) -> Callable[[], Any]:
     """What a new trial run of ``raw`` sees it do besides computing its outputs."""
-    return lambda: infer_outputs(raw, in_avals, name, device).effects
+    return lambda: infer_outputs(raw, in_avals, name, device, modules).effects
 
 
 class JaxifiedFunction:
@@ -199,6 +200,8 @@ class JaxifiedFunction:
         check_environment()
         raw = self._raw_fn(in_tree)
         flat = self._flat_fn(raw)
+        # Their training flags count too (NOTE [a graph per training mode]).
+        modules = referenced_modules(self.torch_fn)
         if self.output_shapes is not None:
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(self.output_shapes)
             declared = []
@@ -223,7 +226,7 @@ class JaxifiedFunction:
         else:
             # NOTE [inference on the call's device] in inference.py
             call_on = torch_device(call_device(arrays))
-            inferred = infer_outputs(raw, in_avals, self.name, call_on)
+            inferred = infer_outputs(raw, in_avals, self.name, call_on, modules)
             inferred_on = inferred.device
             effects = inferred.effects
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred.outputs, is_leaf=_is_output_leaf)
@@ -275,8 +278,9 @@ class JaxifiedFunction:
             effects=effects,
             # NOTE [derivatives replay the value's draws]: the effects for
             # the modules' training flags as they are now.
-            find_effects=None if effects is None else _effects_finder(raw, in_avals, self.name, call_on),
+            find_effects=None if effects is None else _effects_finder(raw, in_avals, self.name, call_on, modules),
         )
+        base.referenced_modules = modules  # type: ignore[attr-defined]
         return _Signature(base, out_tree)
 
     def _batch_in_dims(

@@ -367,7 +367,7 @@ def artifact_for(
         artifact = _holding(cache, where)
         if artifact is not None:
             return artifact, None
-        with recording_module_modes() as recorder:
+        with recording_module_modes(getattr(base, "referenced_modules", ())) as recorder:
             artifact, first = _build_artifact(mode, impl, base, inputs, grad_enabled, out_specs)
         artifact.modes = recorder.modes()
         cache[(*where, tuple((id(m), flag) for m, flag in artifact.modes))] = artifact

@@ -22,18 +22,29 @@ device, so the first device that works answers; if none does, the error
 reported is the one from the call's device. Only a function that fails on
 every device pays for the extra calls, once per signature.
 
-NOTE [empty outputs inferred on zeros]
-JAX needs output shapes fixed by the input shapes and dtypes. A function
-whose output shape depends on the input's values (``torch.nonzero``,
-``x[x > 0]``) has no meta kernel, so its shapes come from the call on zeros.
-A real call that then returns another shape is refused by the runner, but
-only if it runs: an output inferred empty on zeros (``nonzero`` of zeros has
-no rows) is known to XLA without running anything, so XLA dropped the call
-and every call returned that empty array, silently. So when the call on
-zeros leaves an output empty, the function runs once more, on ones; an
-output whose shape differs there is refused now, naming both shapes. A
-function that fails on ones cannot be checked, and is refused too: it may
-pass ``output_shapes=``.
+NOTE [a second run, on ones]
+A function whose shapes come from the call on zeros has code that needs
+values (no meta kernel, ``.item()``, NumPy, ``if x.sum() > 0``), and what it
+does may depend on them. So it runs once more, on ones, for two things:
+
+- Empty outputs. JAX needs output shapes fixed by the input shapes and
+  dtypes. A real call that returns other shapes than inferred is refused by
+  the runner, but only if it runs: an output inferred empty on zeros
+  (``nonzero`` of zeros has no rows) is known to XLA without running
+  anything, so XLA dropped the call and every call returned that empty
+  array, silently. An output the call on zeros left empty and whose shape
+  differs on ones is refused now, naming both shapes; when the run on ones
+  fails, such a function cannot be checked and is refused too (it may pass
+  ``output_shapes=``).
+- Effects. A draw, an in-place write or a rebinding made only for some
+  values (``if (x > 0).any(): x = dropout(x)``) was not seen on zeros, so
+  the function's derivatives drew a new mask and wrote the state again,
+  silently. Effects seen on ones and not on zeros are the function's (a
+  derivative replays what its value call did, whichever branch that took);
+  two runs that each draw or write, differently, are refused. A failure on
+  ones leaves the effects seen on zeros. Values that neither zeros nor ones
+  reach stay unseen (NOTE [derivatives replay the value's draws] in
+  replayed_calls.py).
 """
 
 from __future__ import annotations
@@ -69,17 +80,26 @@ class Inferred(NamedTuple):
 
 
 def _run(
-    fn: Callable[..., Any], avals: Sequence[Aval], device: torch.device, name: str, make: Callable[..., torch.Tensor] = torch.zeros
+    fn: Callable[..., Any],
+    avals: Sequence[Aval],
+    device: torch.device,
+    name: str,
+    make: Callable[..., torch.Tensor] = torch.zeros,
+    modules: Sequence[torch.nn.Module] = (),
 ) -> tuple[Any, Effects]:
     """``fn``'s outputs on inputs made on ``device`` by ``make`` (zeros, or
-    empty on meta), and what else it did."""
+    empty on meta), and what else it did; ``modules``: those it refers to
+    (``module_modes.referenced_modules``)."""
     make = torch.empty if device == _META else make
-    inputs = [make(a.shape, dtype=torch_dtype(a.dtype), device=device) for a in avals]
-    versions = [t._version for t in inputs]
-    # NOTE [trial runs do not write to real tensors]
-    with torch.no_grad(), recording_module_modes() as modes, trial_run() as run, RandomOpsSeen() as random_ops:
-        with LayoutDependentDraws() as layouts:
-            outputs = fn(*inputs)
+    # Outside torch.inference_mode, whose tensors keep no version to check
+    # (NOTE [calls inside torch.inference_mode] in runtime.py).
+    with torch.inference_mode(False):
+        inputs = [make(a.shape, dtype=torch_dtype(a.dtype), device=device) for a in avals]
+        versions = [t._version for t in inputs]
+        # NOTE [trial runs do not write to real tensors]
+        with torch.no_grad(), recording_module_modes(modules) as modes, trial_run() as run, RandomOpsSeen() as random_ops:
+            with LayoutDependentDraws() as layouts:
+                outputs = fn(*inputs)
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
     if mutated:
         raise InputMutationError(
@@ -102,12 +122,21 @@ def devices_to_try(device: torch.device) -> list[torch.device]:
     return list(dict.fromkeys((device, *others, _CPU)))
 
 
-def infer_outputs(fn: Callable[..., Any], avals: Sequence[Aval], name: str, device: torch.device = _CPU) -> Inferred:
-    """Run ``fn`` on meta tensors, else once on zeros on ``device``, the
-    call's (then on the other devices ``devices_to_try`` names: NOTE
-    [inference on the call's device]); return what it returned, and where."""
+def infer_outputs(
+    fn: Callable[..., Any],
+    avals: Sequence[Aval],
+    name: str,
+    device: torch.device = _CPU,
+    modules: Sequence[torch.nn.Module] = (),
+) -> Inferred:
+    """Run ``fn`` on meta tensors, else on zeros (and ones: NOTE [a second
+    run, on ones]) on ``device``, the call's (then on the other devices
+    ``devices_to_try`` names: NOTE [inference on the call's device]); return
+    what it returned, and where. ``modules``: the modules ``fn`` refers to,
+    whose training flags its effects depend on (NOTE [a graph per training
+    mode] in module_modes.py)."""
     try:
-        outputs, effects = _run(fn, avals, _META, name)
+        outputs, effects = _run(fn, avals, _META, name, modules=modules)
         return Inferred(outputs, _META, effects)
     except InputMutationError:
         raise
@@ -116,14 +145,13 @@ def infer_outputs(fn: Callable[..., Any], avals: Sequence[Aval], name: str, devi
     first: tuple[torch.device, Exception] | None = None
     for where in devices_to_try(device):
         try:
-            outputs, effects = _run(fn, avals, where, name)
+            outputs, effects = _run(fn, avals, where, name, modules=modules)
         except InputMutationError:
             raise
         except Exception as err:  # noqa: BLE001 - reported below if no device works
             first = first or (where, err)
             continue
-        _check_empty_outputs(fn, avals, where, name, outputs)
-        return Inferred(outputs, where, effects)
+        return Inferred(outputs, where, _checked_on_ones(fn, avals, where, name, outputs, effects, modules))
     where, err = first
     raise TorchCallError(
         f"the PyTorch function {name} raised {type(err).__name__}: {err}\n"
@@ -132,13 +160,20 @@ def infer_outputs(fn: Callable[..., Any], avals: Sequence[Aval], name: str, devi
     ) from err
 
 
-def _check_empty_outputs(fn: Callable[..., Any], avals: Sequence[Aval], where: torch.device, name: str, outputs: Any) -> None:
-    """Refuse a function an output of which the call on zeros left empty,
-    unless a call on ones gives every output the same shape (NOTE [empty
-    outputs inferred on zeros])."""
+def _checked_on_ones(
+    fn: Callable[..., Any],
+    avals: Sequence[Aval],
+    where: torch.device,
+    name: str,
+    outputs: Any,
+    on_zeros: Effects,
+    modules: Sequence[torch.nn.Module],
+) -> Effects:
+    """The effects of a function whose shapes the call on zeros gave, also
+    as a call on ones sees them; raises for an output whose shape depends
+    on the input's values (NOTE [a second run, on ones])."""
     leaves = jax.tree_util.tree_leaves(outputs)
-    if not any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in leaves):
-        return
+    empty = any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in leaves)
     advice = (
         "JAX needs output shapes fixed by the input shapes and dtypes: return a fixed-size result "
         "(torch.nonzero_static(x, size=n), or a mask and torch.where instead of x[mask]), close over a "
@@ -146,22 +181,41 @@ def _check_empty_outputs(fn: Callable[..., Any], avals: Sequence[Aval], where: t
         "or pass output_shapes= with the shapes every call returns"
     )
     try:
-        on_ones, _ = _run(fn, avals, where, name, torch.ones)
+        on_ones, ones_effects = _run(fn, avals, where, name, torch.ones, modules)
     except InputMutationError:
         raise
-    except Exception as err:  # noqa: BLE001 - unknown: refused below, naming the error
+    except Exception as err:  # noqa: BLE001 - only an empty output needs the run on ones
+        if not empty:
+            return on_zeros
         raise TorchCallError(
             f"the PyTorch function {name} returned an empty output on zeros (inferring its output shapes "
             f"on {where}) and raised {type(err).__name__} on ones: {err}. So t2j_ad cannot tell whether "
             f"its output shapes depend on the input values. {advice}."
         ) from err
-    if jax.tree_util.tree_structure(on_ones) != jax.tree_util.tree_structure(outputs):
+    if empty:
+        _check_shapes_agree(name, where, outputs, on_ones, advice)
+    if on_zeros.same_as(ones_effects) or not ones_effects:
+        return on_zeros
+    if not on_zeros:
+        return ones_effects
+    raise TorchCallError(
+        f"the PyTorch function {name} draws random numbers or updates state it keeps differently on zeros "
+        f"than on ones (inferring its output shapes on {where}), so its derivatives cannot replay what its "
+        f"value call does. Make its draws and in-place writes the same whatever the input's values (draw, "
+        f"then select with torch.where(cond, dropped, x); update with torch.where(cond, update, 0))."
+    )
+
+
+def _check_shapes_agree(name: str, where: torch.device, on_zeros: Any, on_ones: Any, advice: str) -> None:
+    """Raise unless the outputs on zeros and on ones have one structure and
+    the same shapes (NOTE [a second run, on ones])."""
+    if jax.tree_util.tree_structure(on_ones) != jax.tree_util.tree_structure(on_zeros):
         raise TorchCallError(
             f"the output structure of the PyTorch function {name} depends on its input values: "
-            f"{jax.tree_util.tree_structure(outputs)} on zeros, {jax.tree_util.tree_structure(on_ones)} on "
+            f"{jax.tree_util.tree_structure(on_zeros)} on zeros, {jax.tree_util.tree_structure(on_ones)} on "
             f"ones (inferring its output shapes on {where}). {advice}."
         )
-    for i, (zeros_out, ones_out) in enumerate(zip(leaves, jax.tree_util.tree_leaves(on_ones))):
+    for i, (zeros_out, ones_out) in enumerate(zip(jax.tree_util.tree_leaves(on_zeros), jax.tree_util.tree_leaves(on_ones))):
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (zeros_out, ones_out)]
         if shapes[0] != shapes[1]:
             raise TorchCallError(

@@ -11,15 +11,24 @@ with its flag, and the graph is used only while those flags hold: a call that
 finds one changed looks up, or traces, the graph for the flags as they are
 now (``torch.compile`` guards on the same flag). Checking costs one attribute
 read per recorded module per call, and nothing for functions that call no
-module. Other Python state a function reads (a global number, an attribute of
-its own) is read once per trace, as under ``jax.jit``.
+module. A module whose method the function calls directly (``jaxify(
+model.forward)``, ``model.encode(x)`` reading ``self.training``) runs no
+hook, so the modules the function refers to (a bound method's ``self``, the
+modules its code names from its closure or globals, and those of a
+``functools.partial``: ``referenced_modules``) are recorded too, with their
+flags when the trace starts. Other Python state a function reads (a global
+number, an attribute of its own) is read once per trace, as under
+``jax.jit``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -42,11 +51,46 @@ class _Recorder:
         return tuple(self.seen.values())
 
 
+def referenced_modules(fn: Callable[..., Any]) -> tuple[torch.nn.Module, ...]:
+    """The modules ``fn`` refers to: itself, a bound method's ``self``, what
+    its code names from its closure or globals, and a ``functools.partial``'s
+    function and arguments (NOTE [a graph per training mode])."""
+    found: dict[int, torch.nn.Module] = {}
+
+    def visit(obj: Any, depth: int) -> None:
+        if isinstance(obj, torch.nn.Module):
+            found.setdefault(id(obj), obj)
+            return
+        if depth > 2:
+            return
+        if isinstance(obj, functools.partial):
+            for inner in (obj.func, *obj.args, *obj.keywords.values()):
+                visit(inner, depth + 1)
+            return
+        owner = getattr(obj, "__self__", None)
+        if owner is not None:
+            visit(owner, depth + 1)
+        code_of = getattr(obj, "__func__", obj)
+        if inspect.isfunction(code_of):
+            try:
+                names = inspect.getclosurevars(code_of)
+            except (TypeError, ValueError):  # nothing to learn from this one
+                return
+            for value in (*names.nonlocals.values(), *names.globals.values()):
+                visit(value, depth + 1)
+
+    visit(fn, 0)
+    return tuple(found.values())
+
+
 @contextlib.contextmanager
-def recording_module_modes() -> Iterator[_Recorder]:
+def recording_module_modes(referenced: Sequence[torch.nn.Module] = ()) -> Iterator[_Recorder]:
     """Within the block, record the modules whose ``forward`` runs on this
-    thread (``.modes()`` of what it yields)."""
+    thread (``.modes()`` of what it yields), and the ``referenced`` ones
+    with their flags now."""
     recorder = _Recorder()
+    for module in referenced:
+        recorder(module, ())
     handle = torch.nn.modules.module.register_module_forward_pre_hook(recorder)
     try:
         yield recorder

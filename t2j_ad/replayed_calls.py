@@ -131,6 +131,12 @@ PyTorch, so four places keep it:
   partial evaluation (``jax.linearize``) runs the whole loop again inside
   the linear function, where such a call would draw or update again; that
   is refused with an error naming the call.
+- ``jax.vmap`` of a ``lax.cond`` whose predicate it batches runs every
+  branch for every example and selects, and of a ``while_loop`` whose
+  predicate it batches, every step until the last example is done: a call
+  in them counted 3 where the program made 1. Refused, naming the call, as
+  JAX refuses its own IO callbacks there
+  (``_jax_internals._refuse_batched_predicates``).
 
 A call is an effect to JAX only in these rules, not in its type: a JAX
 effect would cost every jitted call of such a function JAX's Python
@@ -333,6 +339,7 @@ def _variant(
         compile=base.compile,
     )
     variant.effects_root = base  # type: ignore[attr-defined]
+    variant.referenced_modules = getattr(base, "referenced_modules", ())  # type: ignore[attr-defined]
     variant.replays = replays  # type: ignore[attr-defined]
     variant.generator_key = key  # type: ignore[attr-defined]
     variant.effects = seen

@@ -56,6 +56,16 @@ class InputMutationError(TorchCallError):
     """
 
 
+# NOTE [calls inside torch.inference_mode]
+# A call made on a thread inside ``torch.inference_mode()`` (an eager or
+# jitted call on the CPU runs on the caller's thread) gets inference tensors,
+# which keep no version counter: the check below for a write into an input
+# failed with PyTorch's "Inference tensors do not track version counter".
+# Such a call cannot show that the function leaves its inputs alone, so
+# until a call outside inference mode has, every call gets copies of its
+# inputs (a write changes only those); after, it gets XLA's buffers, as any
+# call. The runs that infer output shapes leave inference mode.
+
 # NOTE [torch threads]
 # XLA calls us from one of its own worker threads. PyTorch's intra-op thread
 # count is per calling thread (OpenMP), so it must be set here, in the
@@ -277,9 +287,18 @@ class _Runner:
                 _set_grad_enabled(False)
             # Inputs arrive fresh (version 0; see run_into), so any in-place
             # write shows as a nonzero version: no snapshot before the call.
-            for t in inputs:
-                if t._version:
-                    self._refuse_mutation(inputs)
+            try:
+                for t in inputs:
+                    if t._version:
+                        self._refuse_mutation(inputs)
+            except TorchCallError:
+                raise
+            except RuntimeError:
+                if not any(t.is_inference() for t in inputs):
+                    raise
+                # NOTE [calls inside torch.inference_mode]: no version to read,
+                # so this call shows nothing; unchecked, it had copies.
+                checked = True
             if not checked:
                 self.base.mutation_checked = True
             if results is _WRITTEN:

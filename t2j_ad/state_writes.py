@@ -51,8 +51,9 @@ it:
   at the end of the forward instead would bump the version of a tensor the
   backward may have saved, and autograd would refuse it.
 
-What the trial run did not see is not a slot: a write that depends on the
-input's values (a branch the run on zeros did not take), or a function
+What the trial runs did not see is not a slot: a write that depends on the
+input's values (a branch neither the run on zeros nor the one on ones took:
+NOTE [a second run, on ones] in inference.py), or a function
 given ``output_shapes=``, which is never run to learn anything. Their
 derivatives write again, as before.
 """

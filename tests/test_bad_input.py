@@ -200,7 +200,7 @@ def _empty_on_zeros_failing_on_ones(x: torch.Tensor) -> torch.Tensor:
     ],
 )
 def test_an_output_inferred_empty_on_zeros_is_checked_on_ones(fn, message):
-    # NOTE [empty outputs inferred on zeros]: XLA dropped such a call, so every
+    # NOTE [a second run, on ones]: XLA dropped such a call, so every
     # call returned the empty array inferred on zeros, without an error.
     f = t2j_ad.jaxify(fn)
     x = jnp.array([0.5, 1.0, 2.0])

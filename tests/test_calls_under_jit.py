@@ -322,3 +322,43 @@ def test_linearizing_a_while_loop_that_draws_is_refused(checkpointed, mode):
     loop = _in_a_while_loop(f)
     with pytest.raises(Exception, match="runs in a lax.while_loop being linearized"):
         jax.linearize(jax.checkpoint(loop) if checkpointed else loop, _X)
+
+
+class _CountsCalls(torch.nn.Module):
+    """Counts its calls in a buffer (state it keeps: a call with effects)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return x * 2
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_vmap_of_a_cond_or_while_loop_with_a_batched_predicate_around_a_call_with_effects_is_refused(mode):
+    # JAX runs every branch (every step) for every example and selects: the
+    # counter counted 3 where the program makes 1 call (predicates [T, F, F]).
+    counter = _CountsCalls().to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(counter, compile=mode)
+    xs = jnp.array([1.0, -1.0, -2.0])
+
+    def in_cond(x):
+        return jax.lax.cond(x > 0, lambda x: apply(params, x), lambda x: x, x)
+
+    def in_while(x):
+        return jax.lax.while_loop(lambda c: c[0] < x, lambda c: (c[0] + 1.0, apply(params, c[1])), (0.0, x))[1]
+
+    for fn, where in ((in_cond, "lax.cond"), (in_while, "lax.while_loop")):
+        with pytest.raises(NotImplementedError, match=rf"'_CountsCalls.forward' draws .* inside a {where} whose predicate jax.vmap batches"):
+            jax.vmap(fn)(xs)
+    assert float(counter.calls) == 0
+    # With the predicate the same for every example, the cond stays a cond:
+    # one update per example, as a loop in PyTorch makes.
+    got = jax.vmap(lambda x: jax.lax.cond(xs[0] > 0, lambda x: apply(params, x), lambda x: x, x))(xs)
+    assert_tree_allclose(got, xs * 2)
+    assert float(counter.calls) == 3
+    # A cond without such a call is vmapped as JAX does.
+    pure = t2j_ad.jaxify(torch.sin, compile=mode)
+    assert_tree_allclose(jax.vmap(lambda x: jax.lax.cond(x > 0, pure, jnp.cos, x))(xs), jnp.where(xs > 0, jnp.sin(xs), jnp.cos(xs)))

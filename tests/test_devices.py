@@ -163,7 +163,7 @@ def test_inference_tries_the_cpu_when_the_calls_device_fails():
     inferred = infer_outputs(lambda x: (_scaled_by(torch.ones(3), calls)(x),), _avals((3,)), "f", _UNUSABLE)
     (out,), where = inferred.outputs, inferred.device
     assert out.shape == (3,) and out.dtype == torch.float32 and where == torch.device("cpu")
-    assert calls == ["meta", "cpu"]
+    assert calls == ["meta", "cpu", "cpu"]  # on zeros, then on ones (NOTE [a second run, on ones])
 
 
 def test_inference_reports_the_calls_devices_error():
@@ -189,22 +189,22 @@ def test_inference_tries_the_other_gpus_before_the_cpu(monkeypatch):
     real_run = inference._run
     tried: list[str] = []
 
-    def run_where_the_weight_is(fn, avals, device, name):
+    def run_where_the_weight_is(fn, avals, device, name, *args, **kwargs):
         tried.append(str(device))
         if device != cuda[1]:
             raise RuntimeError(f"Expected all tensors to be on the same device, but found {device} and cuda:1")
-        return real_run(fn, avals, torch.device("cpu"), name)
+        return real_run(fn, avals, torch.device("cpu"), name, *args, **kwargs)
 
     monkeypatch.setattr(inference, "_run", run_where_the_weight_is)
     w = torch.linspace(0.5, 2.0, 3)
     inferred = infer_outputs(lambda x: (torch.tanh(x * w).to(torch.float64),), _avals((2, 3)), "f", cuda[0])
     (out,), where = inferred.outputs, inferred.device
-    assert tried == ["meta", "cuda:0", "cuda:1"]
+    assert tried == ["meta", "cuda:0", "cuda:1", "cuda:1"]  # the last: on ones (NOTE [a second run, on ones])
     assert out.shape == (2, 3) and out.dtype == torch.float64 and where == cuda[1]
 
     tried.clear()
     infer_outputs(lambda x: (x * w,), _avals((3,)), "f", cuda[2])
-    assert tried == ["meta", "cuda:2", "cuda:0", "cuda:1"]
+    assert tried == ["meta", "cuda:2", "cuda:0", "cuda:1", "cuda:1"]
 
     def broken(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("broken everywhere")

@@ -398,6 +398,24 @@ def test_data_dependent_mutation_in_the_first_call_leaves_the_array_unchanged(co
     assert_tree_allclose(call(GOOD), GOOD * 2)
 
 
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_calls_inside_torch_inference_mode_run_and_leave_the_arrays_alone(compile: str) -> None:
+    # NOTE [calls inside torch.inference_mode]: inference tensors keep no
+    # version counter, and the write check failed with PyTorch's error.
+    f = t2j_ad.jaxify(lambda x: torch.sin(x) * 2, compile=compile)
+    writes = t2j_ad.jaxify(_sometimes_zeroes_its_input, compile=compile)  # writes into BAD only
+    x = BAD + 0
+    with torch.inference_mode():
+        assert_tree_allclose(f(GOOD), jnp.sin(GOOD) * 2)
+        assert_tree_allclose(jax.jit(f)(GOOD), jnp.sin(GOOD) * 2)
+        assert_tree_allclose(f(jnp.ones(5)), jnp.full(5, 2 * np.sin(1.0), jnp.float32))
+        jax.block_until_ready(writes(x))  # on copies: the write is not seen there
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(BAD))
+    with pytest.raises(RUNTIME_ERRORS, match=r"mutated input\(s\) \[0\] in place"):
+        jax.block_until_ready(writes(x))  # outside, the write is refused
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(BAD))
+
+
 # -- in a fresh interpreter -----------------------------------------------------------
 
 

@@ -638,6 +638,34 @@ def test_a_function_closing_over_a_module_follows_its_flag_under_grad(traces):
     assert len(traces) == 2
 
 
+class _ReadsItsFlag(torch.nn.Module):
+    """Reads ``self.training`` in methods no ``module(...)`` call runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.eye(3))
+
+    def encode(self, x):
+        return torch.nn.functional.dropout(x @ self.w, 1.0, self.training) + x
+
+    def forward(self, x):
+        return x * (2.0 if self.training else 3.0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_module_whose_methods_are_called_directly_follows_its_flag(mode):
+    # NOTE [a graph per training mode]: no forward pre-hook runs for a bound
+    # forward or another method, so the graph kept its training branch.
+    module = _ReadsItsFlag().to(TORCH_DEVICE)
+    bound = jax.jit(t2j_ad.jaxify(module.forward, compile=mode))
+    closure = jax.jit(t2j_ad.jaxify(lambda x: module.encode(x), compile=mode))
+    x = jnp.arange(1.0, 4.0)
+    for training in (True, False, True):
+        module.train(training)
+        assert_tree_allclose(bound(x), x * (2.0 if training else 3.0))
+        assert_tree_allclose(closure(x), x if training else 2 * x)
+
+
 def test_a_module_whose_training_trace_is_refused_traces_in_eval():
     # BatchNorm1d(momentum=None) reads its batch count only in training mode
     # (NOTE [values a graph would keep]); in eval mode it traces.

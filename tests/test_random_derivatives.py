@@ -518,15 +518,48 @@ def test_draws_from_a_generator_the_function_is_given_are_replayed(case, mode):
 
 
 def test_draws_from_a_given_generator_whose_count_depends_on_the_input_are_refused():
-    # Shape inference (on zeros) saw one draw; the value call makes two, so
-    # its derivatives could not match each draw to the value's.
+    # Shape inference (on zeros, then on ones: NOTE [a second run, on ones])
+    # saw one draw; the value call makes two, so its derivatives could not
+    # match each draw to the value's.
     generator = torch.Generator(device=TORCH_DEVICE)
 
     def drawn(x):
-        draws = 2 if bool(x.sum() > 0) else 1
+        draws = 2 if bool(x.sum() > 50) else 1
         noise = sum(torch.randn(x.shape, generator=generator, device=x.device) for _ in range(draws))
         return x * noise
 
     f = t2j_ad.jaxify(drawn)
     with pytest.raises(Exception, match="drew 2 times from generators passed as generator=, where 1 were seen"):
         jax.block_until_ready(jax.grad(lambda x: f(x).sum())(_X))
+
+
+def test_draws_that_differ_on_zeros_and_on_ones_are_refused_when_traced():
+    generator = torch.Generator(device=TORCH_DEVICE)
+
+    def drawn(x):
+        draws = 2 if bool(x.sum() > 0) else 1
+        return x * sum(torch.randn(x.shape, generator=generator, device=x.device) for _ in range(draws))
+
+    with pytest.raises(t2j_ad.TorchCallError, match="draws random numbers or updates state it keeps differently on zeros"):
+        t2j_ad.jaxify(drawn)(_X)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_draw_made_only_for_some_values_is_replayed_by_the_derivatives(mode):
+    # NOTE [a second run, on ones]: the run on zeros took the branch without
+    # the draw; the derivatives drew a new mask and the generator ended ahead.
+    def sometimes_dropped(x):
+        if bool((x > 0).any()):
+            x = torch.nn.functional.dropout(x, 0.5)
+        return torch.sin(x)
+
+    f = t2j_ad.jaxify(sometimes_dropped, compile=mode)
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        value, grad = jax.value_and_grad(lambda x: f(x).sum())(x)
+        after = torch.get_rng_state()
+        torch.manual_seed(seed)
+        expected_grad, expected_value = torch.func.grad_and_value(lambda x: sometimes_dropped(x).sum())(to_torch(x))
+        assert_tree_allclose((value, grad), (to_numpy(expected_value), to_numpy(expected_grad)), rtol=1e-5, atol=1e-6)
+        assert torch.equal(after, torch.get_rng_state())

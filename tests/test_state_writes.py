@@ -319,25 +319,43 @@ def test_batch_norm_in_eval_mode_updates_nothing_and_keeps_the_plain_rules():
     assert_tree_allclose(_state(module), before)
 
 
-def test_a_write_the_trial_run_did_not_see_is_refused_by_name():
-    # A write that depends on the input's values: the run on zeros took the
-    # other branch, so the derivative would write a second time.
-    class WritesWhenPositive(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = torch.nn.Linear(3, 3)
-            self.register_buffer("total", torch.zeros(3))
+class _WritesWhen(torch.nn.Module):
+    """Writes its buffer only where ``x.sum()`` passes ``threshold``."""
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.lin(x)
-            if bool(x.sum() > 0):
-                with torch.no_grad():
-                    self.total.add_(h.mean(0))
-            return h * (1.0 + self.total)
+    def __init__(self, threshold: float) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("total", torch.zeros(3))
 
-    apply, params = t2j_ad.jaxify_module(WritesWhenPositive().to(TORCH_DEVICE))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if bool(x.sum() > self.threshold):
+            with torch.no_grad():
+                self.total.add_(h.mean(0))
+        return h * (1.0 + self.total)
+
+
+def test_a_write_made_only_for_some_values_is_made_once_and_differentiated_as_in_pytorch():
+    # NOTE [a second run, on ones]: the run on zeros took the branch without
+    # the write, the run on ones the other; the derivative replays the write.
+    module = _WritesWhen(0.0).to(TORCH_DEVICE)
+    reference = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module)
+    x = jnp.abs(_X[:, :3]) + 1.0
+    grads = jax.grad(lambda p, x: _square(apply(p, x)))(params, x)
+    _square(reference(to_torch(x))).backward()
+    expected = {name: jnp.asarray(to_numpy(p.grad)) for name, p in reference.named_parameters()}
+    assert_tree_allclose(grads, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(module.total, reference.total)  # written once
+
+
+def test_a_write_neither_zeros_nor_ones_make_is_refused_by_name():
+    # The runs on zeros and on ones both took the branch without the write,
+    # so the derivative would write a second time.
+    apply, params = t2j_ad.jaxify_module(_WritesWhen(50.0).to(TORCH_DEVICE))
     with pytest.raises(Exception, match=r"did not see that write.*torch.where"):
-        jax.block_until_ready(jax.grad(lambda p, x: _square(apply(p, x)))(params, jnp.abs(_X[:, :3]) + 1.0))
+        jax.block_until_ready(jax.grad(lambda p, x: _square(apply(p, x)))(params, jnp.abs(_X[:, :3]) + 10.0))
 
 
 def test_a_jitted_derivative_traced_in_eval_mode_is_refused_after_train():

@@ -104,8 +104,8 @@ def _refuse_unseen_write(base: Any, err: BaseException) -> None:
         return
     raise RuntimeError(
         f"{base.name} writes in place into a tensor it keeps between calls ({_first_line(err)}), but the run "
-        f"that inferred its output shapes did not see that write: it depends on the input's values (that run "
-        f"is on zeros), the function was given output_shapes=, or it ran with other training flags when "
+        f"that inferred its output shapes did not see that write: it depends on the input's values (those runs "
+        f"are on zeros and on ones), the function was given output_shapes=, or it ran with other training flags when "
         f"jax.jit traced it. Its derivative would write the state a second time, and start from the state its "
         f"value call left. Make the write unconditional (torch.where(cond, update, 0)), leave output_shapes "
         f"out, or trace again after module.train() (a new jax.jit, or jax.clear_caches())."
