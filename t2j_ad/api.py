@@ -336,7 +336,10 @@ class JaxifiedFunction:
         return jax.tree_util.tree_unflatten(entry.out_tree, outs)
 
     def clear_cache(self) -> None:
-        """Forget this function's inferred signatures (``t2j_ad.clear_caches`` does every function's)."""
+        """Forget this function's inferred signatures: its next call outside a
+        compiled program infers (and in graph mode traces) again. A
+        ``jax.jit`` compiled before keeps the program, and the graphs, it
+        holds; ``t2j_ad.clear_caches`` forgets those too, for every function."""
         with self._lock:
             self._cache.clear()
 
