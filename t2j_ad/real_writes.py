@@ -173,6 +173,17 @@ class RealWritesUndone(TorchDispatchMode):
 _ABSENT = object()
 
 
+def _memory_of(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """Where a dense tensor's elements are (its storage, as PyTorch's own
+    storage object, which a meta tensor has too; offset, shape, strides,
+    dtype): the same for ``.data`` and ``.detach()`` of it. None for a
+    sparse tensor or a subclass."""
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+        return None
+    storage = tensor.untyped_storage()._cdata
+    return ("at", storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+
+
 def _attribute_tables(module: torch.nn.Module) -> tuple[dict[str, Any], ...]:
     return (module._parameters, module._buffers, module.__dict__)
 
@@ -213,6 +224,9 @@ class ModuleAttributesKept:
                         for name, value in table.items():
                             if isinstance(value, torch.Tensor):
                                 owners.setdefault(id(value), (sub, name))
+                                at = _memory_of(value)
+                                if at is not None:
+                                    owners.setdefault(at, (sub, name))
         self._open.append((module, noted, owners))
 
     def _ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -242,9 +256,14 @@ class ModuleAttributesKept:
                         self.rebound_state.append((module, name, old))
 
     def owner_of(self, tensor: torch.Tensor) -> tuple[torch.nn.Module, str] | None:
-        """The module (of those noted now) and name ``tensor`` is bound to, if any."""
+        """The module (of those noted now) and name ``tensor`` is bound to, if
+        any: the tensor itself, or another over the same memory, as
+        ``.data`` and ``.detach()`` make (``self.ema.data.mul_(0.5)``)."""
+        at = _memory_of(tensor)
         for _, _, owners in self._open:
             owner = owners.get(id(tensor))
+            if owner is None and at is not None:
+                owner = owners.get(at)
             if owner is not None:
                 return owner
         return None

@@ -395,3 +395,36 @@ def test_a_jacobian_replays_its_value_once_for_every_direction():
     expected = torch.autograd.functional.jacobian(lambda x: twin(x), tx)
     assert_tree_allclose(jacobian, to_numpy(expected), rtol=1e-5, atol=1e-6)
     assert float(module.count) == float(twin.count)
+
+
+class _AveragesThrough(torch.nn.Module):
+    """An average kept in a buffer, updated through an alias of it."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.register_buffer("average", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alias = self.average.data if self.how == "data" else self.average.detach()
+        alias.mul_(0.5).add_(x.detach())
+        return (x * self.average).sum()
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("how", ["data", "detach"])
+def test_a_buffer_written_through_data_or_detach_is_the_modules_state(how, mode):
+    # The write's tensor is another object over the buffer's memory: it was
+    # taken for a tensor the function closes over, and the derivative
+    # refused with "did not see that write".
+    module = _AveragesThrough(how).to(TORCH_DEVICE)
+    twin = copy.deepcopy(module)
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
+    for step in range(2):
+        x = jnp.arange(1.0, 4.0) * (step + 1)
+        value, grad = jax.value_and_grad(lambda x: apply(params, x))(x)
+        tx = to_torch(x).requires_grad_()
+        expected = twin(tx)
+        expected.backward()
+        assert_tree_allclose((value, grad), (to_numpy(expected.detach()), to_numpy(tx.grad)))
+        torch.testing.assert_close(module.average, twin.average)  # updated once per step
