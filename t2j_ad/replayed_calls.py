@@ -494,7 +494,8 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
                 return fn(*args)
             if isinstance(plain, FakeTensor):
                 raise RuntimeError(
-                    f"{base.name} runs more than once in one call (a loop over tangents or examples), and each "
+                    f"{base.name} runs more than once in one call (a loop over tangents or examples, or a "
+                    f"fallback that runs it again: torch.autograd.grad after torch.func.vjp refused), and each "
                     f"run replays the value call's random draws by setting PyTorch's generator, which a graph "
                     f"cannot do between runs"
                 )

@@ -563,3 +563,23 @@ def test_a_draw_made_only_for_some_values_is_replayed_by_the_derivatives(mode):
         expected_grad, expected_value = torch.func.grad_and_value(lambda x: sometimes_dropped(x).sum())(to_torch(x))
         assert_tree_allclose((value, grad), (to_numpy(expected_value), to_numpy(expected_grad)), rtol=1e-5, atol=1e-6)
         assert torch.equal(after, torch.get_rng_state())
+
+
+def test_the_graph_fallback_of_a_function_run_twice_by_a_vjp_fallback_says_so():
+    # torch.func.vjp refuses the write into a closed-over tensor, and
+    # torch.autograd.grad runs the function again: no loop runs, and the
+    # reason said "a loop over tangents or examples" alone.
+    state = torch.zeros(3, device=TORCH_DEVICE)
+
+    def drops_and_counts(x):
+        state.add_(x.detach())
+        return (torch.nn.functional.dropout(x, 0.3) * state).sum()
+
+    x = jnp.array([1.0, 2.0, 3.0])
+    torch.manual_seed(0)
+    with pytest.warns(FallbackWarning, match=r"or a fallback that runs it again"):
+        got = jax.grad(t2j_ad.jaxify(drops_and_counts, compile="graph"))(x)
+    state.zero_()
+    torch.manual_seed(0)
+    expected = jax.grad(t2j_ad.jaxify(drops_and_counts, compile="eager"))(x)
+    assert_tree_allclose(got, expected)  # the same draws and state: it runs eagerly
