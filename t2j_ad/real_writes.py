@@ -177,10 +177,13 @@ def _memory_of(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     """Where a dense tensor's elements are (its storage, as PyTorch's own
     storage object, which a meta tensor has too; offset, shape, strides,
     dtype): the same for ``.data`` and ``.detach()`` of it. None for a
-    sparse tensor or a subclass."""
+    sparse tensor, a subclass, or a functorch wrapper (no storage of its own)."""
     if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
         return None
-    storage = tensor.untyped_storage()._cdata
+    try:
+        storage = tensor.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):  # a functorch wrapper, or a tensor without storage
+        return None
     return ("at", storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
 
 
