@@ -318,11 +318,8 @@ def _refuse_batched_predicates(
     the program says it does not. JAX refuses its own IO effects there."""
 
     def named(jaxprs: Sequence[Any]) -> str | None:
-        for jaxpr in jaxprs:
-            for params in _calls_in(prim, jaxpr):
-                if has_effects(params):
-                    return name_of(params)
-        return None
+        found = _first_call_with_effects(prim, has_effects, jaxprs)
+        return None if found is None else name_of(found)
 
     def refusal(name: str, where: str) -> NotImplementedError:
         return NotImplementedError(
@@ -467,11 +464,10 @@ def _loop_run_again_refusal(
     def refuse(unknowns: Sequence[bool], params: dict[str, Any]) -> None:
         if not any(unknowns):
             return
-        jaxprs = (params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr)
-        found = [p for jaxpr in jaxprs for p in _calls_in(prim, jaxpr) if has_effects(p)]
-        if found:
+        found = _first_call_with_effects(prim, has_effects, (params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr))
+        if found is not None:
             raise NotImplementedError(
-                f"t2j_ad: {name_of(found[0])} draws random numbers or updates state it keeps, and runs in "
+                f"t2j_ad: {name_of(found)} draws random numbers or updates state it keeps, and runs in "
                 f"a lax.while_loop being linearized (jax.linearize; reverse mode, which JAX refuses for "
                 f"while_loop anyway): JAX runs the whole loop again inside the linear function, where "
                 f"each call would draw or update again and the derivatives would be those of other "
@@ -800,6 +796,14 @@ def _holds_one(prim: Primitive, has_effects: Callable[[dict[str, Any]], bool], j
     """Whether ``jaxpr`` holds, at any depth, an equation of ``prim`` whose
     parameters ``has_effects`` accepts."""
     return any(has_effects(params) for params in _calls_in(prim, jaxpr))
+
+
+def _first_call_with_effects(
+    prim: Primitive, has_effects: Callable[[dict[str, Any]], bool], jaxprs: Sequence[Any]
+) -> dict[str, Any] | None:
+    """The parameters of the first ``prim`` equation in ``jaxprs``, at any
+    depth, that ``has_effects`` accepts; None when there is none."""
+    return next((params for jaxpr in jaxprs for params in _calls_in(prim, jaxpr) if has_effects(params)), None)
 
 
 def _calls_in(prim: Primitive, jaxpr: Any) -> list[dict[str, Any]]:

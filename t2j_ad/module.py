@@ -114,7 +114,8 @@ class _TensorSlots:
             keys.setdefault(id(tensor), key)
         self.params: list[tuple[dict[str, Any], str, str]] = []
         self.buffers: list[tuple[dict[str, Any], str, str]] = []
-        for _, sub in module.named_modules():
+        self.modules = [sub for _, sub in module.named_modules()]  # each once
+        for sub in self.modules:
             for name, held in sub._parameters.items():
                 if held is not None:
                     self.params.append((sub._parameters, name, keys[id(held)]))
@@ -172,11 +173,10 @@ class _SlotsNow:
 
     def _walk(self) -> None:
         self.slots = _TensorSlots(self._module)
-        self._modules = [sub for _, sub in self._module.named_modules()]
-        self._held = _tables_held(self._modules)
+        self._held = _tables_held(self.slots.modules)
 
     def now(self) -> _TensorSlots:
-        held = _tables_held(self._modules)
+        held = _tables_held(self.slots.modules)
         if len(held) != len(self._held) or not all(map(operator.is_, held, self._held)):
             self._walk()
         return self.slots

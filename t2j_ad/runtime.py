@@ -287,6 +287,7 @@ class _Runner:
                 _set_grad_enabled(False)
             # Inputs arrive fresh (version 0; see run_into), so any in-place
             # write shows as a nonzero version: no snapshot before the call.
+            versioned = True
             try:
                 for t in inputs:
                     if t._version:
@@ -298,8 +299,8 @@ class _Runner:
                     raise
                 # NOTE [calls inside torch.inference_mode]: no version to read,
                 # so this call shows nothing; unchecked, it had copies.
-                checked = True
-            if not checked:
+                versioned = False
+            if not checked and versioned:
                 self.base.mutation_checked = True
             if results is _WRITTEN:
                 return
