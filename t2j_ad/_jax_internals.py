@@ -138,6 +138,7 @@ __all__ = [
     "register_rules",
     "require_devices_during_lowering",
     "in_program_order",
+    "refused_in_scalar_computations",
     "lower_nested_calls_in_place",
     "run_every_call",
 ]
@@ -532,6 +533,52 @@ def in_program_order(
             first = outs[0]
             order.lowered(block, ((first[0] if isinstance(first, (list, tuple)) else first,), (ctx.avals_out[0],)))
         return outs
+
+    return rule
+
+
+# Ops whose regions are the scalar computation XLA applies element by element
+# (a reducer, a scatter's combiner, a sort's comparator): XLA's CPU compiler
+# aborts the process on a custom call there (a Check failure in its
+# computation partitioner, as for jax.pure_callback).
+_SCALAR_COMPUTATION_OPS = frozenset(
+    {
+        "stablehlo.reduce",
+        "stablehlo.reduce_window",
+        "stablehlo.scatter",
+        "stablehlo.select_and_scatter",
+        "stablehlo.sort",
+        "stablehlo.all_reduce",
+        "stablehlo.reduce_scatter",
+        "stablehlo.map",
+    }
+)
+
+
+def refused_in_scalar_computations(
+    lowering: Callable[..., Sequence[Any]], name_of: Callable[[dict[str, Any]], str]
+) -> Callable[..., Sequence[Any]]:
+    """``lowering``, refusing with a ``ValueError`` to lower a call into the
+    region of an op in ``_SCALAR_COMPUTATION_OPS`` (``lax.reduce`` with a
+    jaxified reducer, say), which XLA cannot compile and aborts on."""
+
+    def rule(ctx: Any, *args: Any, **params: Any) -> Sequence[Any]:
+        op = ir.InsertionPoint.current.block.owner
+        while op is not None:
+            name = op.operation.name
+            if name in _SCALAR_COMPUTATION_OPS:
+                raise ValueError(
+                    f"t2j_ad: the PyTorch function {name_of(params)} is called inside the computation of a "
+                    f"{name.split('.', 1)[1]} (the function lax.reduce, lax.reduce_window, a scatter or "
+                    f"lax.sort applies to each pair of elements). XLA compiles that computation on its own "
+                    f"and cannot run a custom call there. Reduce in PyTorch instead: call the function on "
+                    f"the whole array (x.sum(0), torch.cumsum, ...)."
+                )
+            if name in ("func.func", "builtin.module"):
+                break
+            parent = op.operation.parent
+            op = parent if parent is None else parent.opview
+        return lowering(ctx, *args, **params)
 
     return rule
 

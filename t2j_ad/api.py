@@ -25,8 +25,9 @@ from .module_modes import referenced_modules
 from .primitive import torch_call
 from .rules.partitioning import local_bases
 from .pytrees import flags_kept  # also: PyTorch's result tuples as pytrees (NOTE [PyTorch's result tuples])
-from .runtime import TorchCallError, check_environment, not_a_tensor, not_dense
+from .runtime import InputMutationError, TorchCallError, check_environment, mutation_message, not_a_tensor, not_dense
 from .torch_fn import VMAP_METHODS, Aval, BaseFn, TorchFn
+from .trial_caches import dicts_named_by
 
 _live_functions: weakref.WeakSet = weakref.WeakSet()
 
@@ -95,10 +96,25 @@ class _Signature:
 
 
 def _effects_finder(
-    raw: Callable[..., Any], in_avals: tuple[Aval, ...], name: str, device: torch.device, modules: tuple[Any, ...]
+    raw: Callable[..., Any],
+    in_avals: tuple[Aval, ...],
+    name: str,
+    device: torch.device,
+    modules: tuple[Any, ...],
+    dicts: list[dict[Any, Any]],
 ) -> Callable[[], Any]:
     """What a new trial run of ``raw`` sees it do besides computing its outputs."""
-    return lambda: infer_outputs(raw, in_avals, name, device, modules).effects
+    return lambda: infer_outputs(raw, in_avals, name, device, modules, dicts).effects
+
+
+def _input_names(in_tree: Any, n: int) -> tuple[str, ...]:
+    """The key path of each of the ``n`` flat inputs of ``(args, kwargs)``
+    trees ``in_tree``, as ``args[0]['weight']``, for errors that name one."""
+    numbered = jax.tree_util.tree_unflatten(in_tree, range(n))
+    return tuple(
+        ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
+        for path, _ in jax.tree_util.tree_flatten_with_path(numbered)[0]
+    )
 
 
 class JaxifiedFunction:
@@ -202,6 +218,7 @@ class JaxifiedFunction:
         flat = self._flat_fn(raw)
         # Their training flags count too (NOTE [a graph per training mode]).
         modules = referenced_modules(self.torch_fn)
+        dicts = dicts_named_by(self.torch_fn, modules)  # NOTE [trial runs leave caches as they found them]
         if self.output_shapes is not None:
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(self.output_shapes)
             declared = []
@@ -226,7 +243,15 @@ class JaxifiedFunction:
         else:
             # NOTE [inference on the call's device] in inference.py
             call_on = torch_device(call_device(arrays))
-            inferred = infer_outputs(raw, in_avals, self.name, call_on, modules)
+            try:
+                inferred = infer_outputs(raw, in_avals, self.name, call_on, modules, dicts)
+            except InputMutationError as err:
+                if err.mutated is None:
+                    raise
+                where = " (seen while inferring its output shapes)"
+                raise InputMutationError(
+                    mutation_message(self.name, err.mutated, _input_names(in_tree, len(in_avals)), where)
+                ) from None
             inferred_on = inferred.device
             effects = inferred.effects
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred.outputs, is_leaf=_is_output_leaf)
@@ -278,9 +303,11 @@ class JaxifiedFunction:
             effects=effects,
             # NOTE [derivatives replay the value's draws]: the effects for
             # the modules' training flags as they are now.
-            find_effects=None if effects is None else _effects_finder(raw, in_avals, self.name, call_on, modules),
+            find_effects=None if effects is None else _effects_finder(raw, in_avals, self.name, call_on, modules, dicts),
         )
         base.referenced_modules = modules  # type: ignore[attr-defined]
+        base.referenced_dicts = dicts  # type: ignore[attr-defined]
+        base.in_names = _input_names(in_tree, len(in_avals))  # type: ignore[attr-defined]
         return _Signature(base, out_tree)
 
     def _batch_in_dims(
@@ -320,7 +347,9 @@ class JaxifiedFunction:
             with_paths, in_tree = jax.tree_util.tree_flatten_with_path(flagged)
         arrays = [_as_array(path, leaf) for path, leaf in with_paths]
         in_avals = tuple(Aval(tuple(a.shape), np.dtype(a.dtype)) for a in arrays)
-        key = (in_tree, in_avals)
+        # Output dtypes follow jax_enable_x64 (NOTE [64-bit outputs]): a flag
+        # turned on later must not find the 32-bit outputs resolved before.
+        key = (in_tree, in_avals, jax.config.jax_enable_x64)
         entry = self._cache.get(key)
         if entry is None:
             with self._lock:

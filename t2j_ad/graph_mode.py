@@ -78,6 +78,7 @@ from .random_state import SeedWatch, generators_in_use
 from .real_writes import one_trial_run, trial_run
 from .rules.fallbacks import provisional, warn_once
 from .trace_check import FirstRunNotUndone, checked_first_run
+from .tangent_zeros import fold_tangent_zeros, plain_tangent_zeros
 from .trace_refusals import (
     refuse_rebound_attributes,
     refuse_scalar_reads,
@@ -105,14 +106,11 @@ def resolve_compile_mode(value: str | None, where: str) -> str:
     return value
 
 
-def _plain_zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None):  # noqa: ANN001, ANN202
-    return torch.zeros(size, dtype=dtype, layout=layout, device=device)
-
-
 # Forward-mode formulas give inputs without a tangent PyTorch's "efficient"
 # zero tensors, whose kernels work out shapes on the meta device; under fake
-# tensors that meets the fake device and the trace fails. Plain zeros trace.
-_DECOMPOSITIONS = {torch.ops.aten._efficientzerotensor.default: _plain_zeros}
+# tensors that meets the fake device and the trace fails. Marked plain zeros
+# trace (NOTE [zero tangents in a graph]).
+_DECOMPOSITIONS = {torch.ops.aten._efficientzerotensor.default: plain_tangent_zeros}
 
 
 # NOTE [fake tensors on a CUDA build without a GPU]
@@ -158,13 +156,17 @@ def keep_fake_cuda_guard_alive() -> None:
         _guard_kept = True
 
 
-def trace(fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> torch.fx.GraphModule:
-    """``fn`` traced on fake versions of ``inputs`` into an aten graph."""
+def trace(
+    fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool, dicts: Sequence[dict[Any, Any]] = ()
+) -> torch.fx.GraphModule:
+    """``fn`` traced on fake versions of ``inputs`` into an aten graph;
+    ``dicts``: those the function can reach, which keep no fake tensor
+    (NOTE [trial runs leave caches as they found them])."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def run() -> torch.fx.GraphModule:
         # NOTE [trial runs do not write to real tensors]
-        with torch.autograd.set_grad_enabled(grad_enabled), trial_run() as attributes:
+        with torch.autograd.set_grad_enabled(grad_enabled), trial_run(dicts) as attributes:
             # _allow_non_fake_inputs: tensors the function closes over (module
             # buffers) become graph constants, held by reference; their values
             # stay out of Python (NOTE [values a graph would keep]). NOTE
@@ -193,6 +195,7 @@ def trace(fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool) -> torch
     # the shape checks of PyTorch's ZeroTensor fallback (meta-device copies,
     # which fail if replayed). Random ops count as impure, so the graph draws
     # the same numbers as eager.
+    fold_tangent_zeros(graph)
     graph.graph.eliminate_dead_code()
     recompile(graph)
     refuse_scalar_reads(graph)
@@ -253,10 +256,10 @@ def _build_artifact(
     try:
         decided = dict(base.__dict__.get("fallbacks", {}))
         with provisional(base):
-            graph = trace(impl, inputs, grad_enabled)
+            graph = trace(impl, inputs, grad_enabled, getattr(base, "referenced_dicts", ()))
         if base.__dict__.get("fallbacks", {}) != decided:  # NOTE [graph mode]: without the failed attempt
             with provisional(base):
-                graph = trace(impl, inputs, grad_enabled)
+                graph = trace(impl, inputs, grad_enabled, getattr(base, "referenced_dicts", ()))
     except Exception as err:  # noqa: BLE001 - any failure: run eagerly (NOTE [graph mode])
         return Artifact(None, _reason(err)), None
     traced = time.perf_counter()

@@ -57,11 +57,11 @@ import torch
 
 from .convert import torch_dtype
 from .dropout_layouts import LayoutDependentDraws
-from .module_modes import recording_module_modes
+from .module_modes import UninitializedModuleError, recording_module_modes
 from .random_state import RandomOpsSeen
 from .real_writes import trial_run
 from .replayed_calls import Effects
-from .runtime import InputMutationError, TorchCallError
+from .runtime import InputMutationError, TorchCallError, mutation_message
 from .torch_fn import Aval
 
 
@@ -86,6 +86,7 @@ def _run(
     name: str,
     make: Callable[..., torch.Tensor] = torch.zeros,
     modules: Sequence[torch.nn.Module] = (),
+    dicts: Sequence[dict[Any, Any]] = (),
 ) -> tuple[Any, Effects]:
     """``fn``'s outputs on inputs made on ``device`` by ``make`` (zeros, or
     empty on meta), and what else it did; ``modules``: those it refers to
@@ -97,17 +98,15 @@ def _run(
         inputs = [make(a.shape, dtype=torch_dtype(a.dtype), device=device) for a in avals]
         versions = [t._version for t in inputs]
         # NOTE [trial runs do not write to real tensors]
-        with torch.no_grad(), recording_module_modes(modules) as modes, trial_run() as run, RandomOpsSeen() as random_ops:
+        # Grad mode on, as the call it infers for runs (NOTE [calls run with grad mode on]).
+        with torch.enable_grad(), recording_module_modes(modules) as modes, trial_run(dicts) as run, RandomOpsSeen() as random_ops:
             with LayoutDependentDraws() as layouts:
                 outputs = fn(*inputs)
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
     if mutated:
-        raise InputMutationError(
-            f"the PyTorch function {name} mutated input(s) {mutated} in place "
-            f"(seen while inferring its output shapes); t2j_ad functions must "
-            f"not write into their inputs (JAX arrays are immutable). Clone the "
-            f"input first (x = x.clone()) or use the out-of-place op."
-        )
+        err = InputMutationError(mutation_message(name, mutated, where=" (seen while inferring its output shapes)"))
+        err.mutated = tuple(mutated)
+        raise err
     effects = Effects(random_ops.seen, run.state_written(), modes.modes(), random_ops.seen and layouts.seen, random_ops.given)
     return outputs, effects
 
@@ -128,35 +127,37 @@ def infer_outputs(
     name: str,
     device: torch.device = _CPU,
     modules: Sequence[torch.nn.Module] = (),
+    dicts: Sequence[dict[Any, Any]] = (),
 ) -> Inferred:
     """Run ``fn`` on meta tensors, else on zeros (and ones: NOTE [a second
     run, on ones]) on ``device``, the call's (then on the other devices
     ``devices_to_try`` names: NOTE [inference on the call's device]); return
-    what it returned, and where. ``modules``: the modules ``fn`` refers to,
+    what it returned, and where. ``dicts``: those ``fn`` can reach
+    (``trial_caches.dicts_named_by``). ``modules``: the modules ``fn`` refers to,
     whose training flags its effects depend on (NOTE [a graph per training
     mode] in module_modes.py)."""
     try:
-        outputs, effects = _run(fn, avals, _META, name, modules=modules)
+        outputs, effects = _run(fn, avals, _META, name, modules=modules, dicts=dicts)
         return Inferred(outputs, _META, effects)
-    except InputMutationError:
+    except (InputMutationError, UninitializedModuleError):
         raise
     except Exception:  # noqa: BLE001 - no meta kernel, or needs real data
         pass
     first: tuple[torch.device, Exception] | None = None
     for where in devices_to_try(device):
         try:
-            outputs, effects = _run(fn, avals, where, name, modules=modules)
-        except InputMutationError:
+            outputs, effects = _run(fn, avals, where, name, modules=modules, dicts=dicts)
+        except (InputMutationError, UninitializedModuleError):
             raise
         except Exception as err:  # noqa: BLE001 - reported below if no device works
             first = first or (where, err)
             continue
-        return Inferred(outputs, where, _checked_on_ones(fn, avals, where, name, outputs, effects, modules))
+        return Inferred(outputs, where, _checked_on_ones(fn, avals, where, name, outputs, effects, modules, dicts))
     where, err = first
     raise TorchCallError(
         f"the PyTorch function {name} raised {type(err).__name__}: {err}\n"
         f"(while inferring output shapes on zeros on {where}; pass output_shapes= to "
-        f"jaxify to skip inference)"
+        f"jaxify or jaxify_module to skip inference)"
     ) from err
 
 
@@ -168,6 +169,7 @@ def _checked_on_ones(
     outputs: Any,
     on_zeros: Effects,
     modules: Sequence[torch.nn.Module],
+    dicts: Sequence[dict[Any, Any]],
 ) -> Effects:
     """The effects of a function whose shapes the call on zeros gave, also
     as a call on ones sees them; raises for an output whose shape depends
@@ -181,8 +183,8 @@ def _checked_on_ones(
         "or pass output_shapes= with the shapes every call returns"
     )
     try:
-        on_ones, ones_effects = _run(fn, avals, where, name, torch.ones, modules)
-    except InputMutationError:
+        on_ones, ones_effects = _run(fn, avals, where, name, torch.ones, modules, dicts)
+    except (InputMutationError, UninitializedModuleError):
         raise
     except Exception as err:  # noqa: BLE001 - only an empty output needs the run on ones
         if not empty:

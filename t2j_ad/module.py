@@ -42,9 +42,14 @@ one jaxify'd module from several threads at once (one per device in a
 sharded jit, and any user threads): two calls inside the module together
 would each run on the other's parameters, and each one's gradient with
 respect to its own parameters would silently come out zero. So the swap and
-the forward it wraps hold one lock per module; the backward, which runs on
-the recorded graph after the call, does not. Graph mode traces the forward
-once (under the same lock) and never swaps again.
+the forward it wraps hold one lock per module object, shared by every
+``jaxify_module`` of it (``_lock_of``: two wrappers of one module, called
+from two threads, ran each other's parameters and left a plain tensor where
+the module's Parameter was); the backward, which runs on the recorded graph
+after the call, does not. Graph mode traces the forward once (under the
+same lock) and never swaps again. A function that closes over the module
+(``jaxify(lambda x: model(x))``) takes no lock: on another thread while a
+``jaxify_module`` call has swapped, it runs on that call's parameters.
 
 NOTE [PyTorch's inference fast path]
 ``nn.MultiheadAttention`` and the ``nn.Transformer*`` layers take a fused
@@ -69,6 +74,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -101,6 +107,20 @@ class _BuffersByDevice:
             if device.type != "meta" and all(type(b) is torch.Tensor for b in moved.values()):
                 self.copies[device] = (versions, moved)
             return moved
+
+
+_module_locks: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_module_locks_lock = threading.Lock()
+
+
+def _lock_of(module: torch.nn.Module) -> threading.RLock:
+    """The lock every ``jaxify_module`` of ``module`` holds around a call
+    (NOTE [one module, many threads])."""
+    with _module_locks_lock:
+        lock = _module_locks.get(module)
+        if lock is None:
+            lock = _module_locks[module] = threading.RLock()
+        return lock
 
 
 class _TensorSlots:
@@ -158,7 +178,7 @@ def _tables_held(modules: list[torch.nn.Module]) -> list[Any]:
     for sub in modules:
         for table in (sub._parameters, sub._buffers, sub._modules):
             held.append(table)
-            held.extend(table)
+            held.extend(table.keys())
             held.extend(table.values())
     return held
 
@@ -268,6 +288,7 @@ def jaxify_module(
     batch_argnums: int | tuple[int, ...] | None = None,
     compile: str | None = None,
     device: jax.Device | jax.sharding.Sharding | None = None,
+    output_shapes: Any = None,
 ) -> tuple[Callable[..., Any], dict[str, jax.Array]]:
     """``apply, params`` for a ``torch.nn.Module``.
 
@@ -291,6 +312,9 @@ def jaxify_module(
         compile: as in ``jaxify``.
         device: where ``params`` are placed: a ``jax.Device`` or a
             ``jax.sharding.Sharding``; JAX's default device when None.
+        output_shapes: as in ``jaxify``: a pytree of ``jax.ShapeDtypeStruct``
+            the forward returns, for a module that cannot run on stand-in
+            inputs (``pack_padded_sequence`` refuses lengths of zero).
 
     Returns:
         ``(apply, params)``: a JAX function of ``(params, *args, **kwargs)``
@@ -309,7 +333,7 @@ def jaxify_module(
     buffers = _BuffersByDevice(module)
     # NOTE [a module's devices]: copied now to where the parameters went.
     buffers.on(torch_device(_first_device(params.values(), device)))
-    in_module = threading.RLock()  # NOTE [one module, many threads]
+    in_module = _lock_of(module)  # NOTE [one module, many threads]
     slots_now = _SlotsNow(module)  # read and rewalked under in_module
 
     def forward(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -326,7 +350,7 @@ def jaxify_module(
     forward.__qualname__ = f"{type(module).__name__}.forward"
     nums = check_batch_argnums(batch_argnums)
     shifted = None if nums is None else tuple(i + 1 for i in nums)  # params come first
-    jaxified = JaxifiedFunction(forward, vmap_method, None, batch_argnums=shifted, compile=compile)
+    jaxified = JaxifiedFunction(forward, vmap_method, output_shapes, batch_argnums=shifted, compile=compile)
 
     def apply(params: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
         _check_params(params, reference)

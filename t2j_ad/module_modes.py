@@ -15,8 +15,9 @@ module. A module whose method the function calls directly (``jaxify(
 model.forward)``, ``model.encode(x)`` reading ``self.training``) runs no
 hook, so the modules the function refers to (a bound method's ``self``, the
 modules its code names from its closure or globals, and those of a
-``functools.partial``: ``referenced_modules``) are recorded too, with their
-flags when the trace starts. Other Python state a function reads (a global
+``functools.partial``, and the modules of a dict, list or tuple it names:
+``referenced_modules``) are recorded too, each with its submodules (a method
+may read ``self.head.training``), with their flags when the trace starts. Other Python state a function reads (a global
 number, an attribute of its own) is read once per trace, as under
 ``jax.jit``.
 """
@@ -24,16 +25,34 @@ number, an attribute of its own) is read once per trace, as under
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.nn.modules.lazy import LazyModuleMixin
+
+from .references import reachable
 
 # Each module a trace ran, with its training flag then, in the order they ran.
 ModuleModes = tuple[tuple[torch.nn.Module, bool], ...]
+
+
+class UninitializedModuleError(ValueError):
+    """A lazy module (``nn.LazyLinear``) first ran in a trial run."""
+
+
+def _refuse_uninitialized(module: torch.nn.Module) -> None:
+    if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+        # The trial run that infers shapes, or traces, puts PyTorch's
+        # generators back afterwards: every lazy layer would draw the same
+        # initial weights, and on the meta device none at all.
+        raise UninitializedModuleError(
+            f"t2j_ad: the lazy module {type(module).__name__} has not made its parameters yet. t2j_ad "
+            f"first runs a function on stand-in inputs, which would make them from those, on their "
+            f"device, with PyTorch's random generators put back afterwards. Run the module once in "
+            f"PyTorch on an example input before calling it from JAX (model(torch.zeros(batch, features)))."
+        )
 
 
 class _Recorder:
@@ -45,6 +64,7 @@ class _Recorder:
 
     def __call__(self, module: torch.nn.Module, args: object) -> None:
         if threading.get_ident() == self.thread and id(module) not in self.seen:
+            _refuse_uninitialized(module)
             self.seen[id(module)] = (module, bool(module.training))
 
     def modes(self) -> ModuleModes:
@@ -53,34 +73,11 @@ class _Recorder:
 
 def referenced_modules(fn: Callable[..., Any]) -> tuple[torch.nn.Module, ...]:
     """The modules ``fn`` refers to: itself, a bound method's ``self``, what
-    its code names from its closure or globals, and a ``functools.partial``'s
-    function and arguments (NOTE [a graph per training mode])."""
-    found: dict[int, torch.nn.Module] = {}
-
-    def visit(obj: Any, depth: int) -> None:
-        if isinstance(obj, torch.nn.Module):
-            found.setdefault(id(obj), obj)
-            return
-        if depth > 2:
-            return
-        if isinstance(obj, functools.partial):
-            for inner in (obj.func, *obj.args, *obj.keywords.values()):
-                visit(inner, depth + 1)
-            return
-        owner = getattr(obj, "__self__", None)
-        if owner is not None:
-            visit(owner, depth + 1)
-        code_of = getattr(obj, "__func__", obj)
-        if inspect.isfunction(code_of):
-            try:
-                names = inspect.getclosurevars(code_of)
-            except (TypeError, ValueError):  # nothing to learn from this one
-                return
-            for value in (*names.nonlocals.values(), *names.globals.values()):
-                visit(value, depth + 1)
-
-    visit(fn, 0)
-    return tuple(found.values())
+    its code names from its closure, globals or default arguments (and the
+    modules in a dict, list, tuple or plain object it names), and a
+    ``functools.partial``'s function and arguments (NOTE [a graph per
+    training mode]; ``references.reachable``)."""
+    return tuple(reachable(fn, lambda obj: isinstance(obj, torch.nn.Module)))
 
 
 @contextlib.contextmanager
@@ -90,7 +87,9 @@ def recording_module_modes(referenced: Sequence[torch.nn.Module] = ()) -> Iterat
     with their flags now."""
     recorder = _Recorder()
     for module in referenced:
-        recorder(module, ())
+        # With its submodules: model.encode(x) may read self.head.training.
+        for sub in module.modules():
+            recorder(sub, ())
     handle = torch.nn.modules.module.register_module_forward_pre_hook(recorder)
     try:
         yield recorder

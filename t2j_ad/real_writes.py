@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from .random_state import random_state_kept
 from .state_writes import StateWrites, bound_by_a_replay
+from .trial_caches import CachesKept, parametrize_cache
 
 
 _aten = torch.ops.aten
@@ -105,21 +106,25 @@ class RealWritesUndone(TorchDispatchMode):
         schema = func._schema.arguments
         marked = [i for i, argument in enumerate(schema) if argument.alias_info and argument.alias_info.is_write]
         for i in (*marked, *_undeclared_writes(func, args)):
-            written = args[i] if i < len(args) else kwargs.get(schema[i].name)
-            if not isinstance(written, torch.Tensor):
-                continue
-            self._note_state(written)
-            if (
-                type(written) is torch.Tensor
-                and written.device.type != "meta"
-                and id(written) not in self.saved
-                and not self._made_here(written)  # a temporary of the run: nothing to put back
-            ):
-                with _disable_current_modes():  # a real copy, not a fake one
-                    self.saved[id(written)] = (written, written.detach().clone())
+            argument = args[i] if i < len(args) else kwargs.get(schema[i].name)
+            # A list for the foreach ops (torch._foreach_lerp_ of EMA weights).
+            for written in argument if isinstance(argument, (list, tuple)) else (argument,):
+                if isinstance(written, torch.Tensor):
+                    self._note_written(written)
         result = func(*args, **kwargs)
         self._note_made(func, result)
         return result
+
+    def _note_written(self, written: torch.Tensor) -> None:
+        self._note_state(written)
+        if (
+            type(written) is torch.Tensor
+            and written.device.type != "meta"
+            and id(written) not in self.saved
+            and not self._made_here(written)  # a temporary of the run: nothing to put back
+        ):
+            with _disable_current_modes():  # a real copy, not a fake one
+                self.saved[id(written)] = (written, written.detach().clone())
 
     def _note_made(self, func, result: Any) -> None:  # noqa: ANN001
         """Note the storages of the tensors ``func`` made (not views of its arguments)."""
@@ -200,7 +205,10 @@ class ModuleAttributesKept:
     a module under it, is unbound again when that ``forward`` ends, the old
     value put back; ``rebound`` names each as ``Class.name``."""
 
-    def __init__(self) -> None:
+    def __init__(self, caches: CachesKept | None = None) -> None:
+        # Where the dicts of each module noted are noted too (NOTE [trial
+        # runs leave caches as they found them] in trial_caches.py).
+        self._caches = caches
         self.rebound: list[str] = []
         # Each rebinding as (module, name, the tensor bound before): state
         # the function keeps (NOTE [derivatives do not write again]).
@@ -219,8 +227,12 @@ class ModuleAttributesKept:
         owners: dict[int, tuple[torch.nn.Module, str]] = {}
         if id(module) not in self._noted:  # else an open frame noted it and those under it
             for sub in module.modules():
-                if id(sub) not in self._noted:
+                # A TorchScript module's forward cannot rebind its attributes from
+                # Python, and its tables are wrappers without dict methods.
+                if id(sub) not in self._noted and not isinstance(sub, torch.jit.ScriptModule):
                     self._noted.add(id(sub))
+                    if self._caches is not None:
+                        self._caches.note_attributes(sub)
                     tables = tuple(dict(table) for table in _attribute_tables(sub))
                     noted[id(sub)] = (sub, tables)
                     for table in tables:
@@ -244,7 +256,7 @@ class ModuleAttributesKept:
         for module, before in noted.values():
             self._noted.discard(id(module))
             for table, saved in zip(_attribute_tables(module), before):
-                for name in [*saved, *(n for n in table if n not in saved)]:
+                for name in [*saved, *(n for n in table.keys() if n not in saved)]:
                     old, new = saved.get(name, _ABSENT), table.get(name, _ABSENT)
                     if old is new or not (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):
                         continue
@@ -320,6 +332,39 @@ class TrialRun:
 _one_trial_run = threading.RLock()
 
 
+class _TrialRunning(threading.local):
+    depth = 0  # trial runs open on this thread
+
+
+# Read by the runner on every call: a call made inside a trial run runs
+# outside it (``outside_trial_runs``).
+trial_running = _TrialRunning()
+
+
+@contextlib.contextmanager
+def _in_trial_run() -> Iterator[None]:
+    trial_running.depth += 1
+    try:
+        yield
+    finally:
+        trial_running.depth -= 1
+
+
+@contextlib.contextmanager
+def outside_trial_runs() -> Iterator[None]:
+    """Within the block, none of this thread's trial runs is open: their
+    dispatch modes are off. A jaxify'd function called from inside another
+    one's trial run (a PyTorch function that calls JAX) ran inside them: they
+    took its copy into XLA's output buffer for a write to put back when the
+    run ended, after XLA had freed the buffer (glibc aborted the process)."""
+    depth, trial_running.depth = trial_running.depth, 0
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        trial_running.depth = depth
+
+
 def one_trial_run() -> threading.RLock:
     """The lock trial runs hold: held by a call that updates state, it holds
     off trial runs on other threads, which would put back what it wrote when
@@ -328,14 +373,22 @@ def one_trial_run() -> threading.RLock:
 
 
 @contextlib.contextmanager
-def trial_run() -> Iterator[TrialRun]:
+def trial_run(dicts: Iterable[Any] = ()) -> Iterator[TrialRun]:
     """A run of the user's function made only to learn something: the real
-    tensors it closes over, the attributes of the modules it runs, and
+    tensors it closes over, the attributes of the modules it runs, the
+    tensors in ``dicts`` and in those modules' dicts (its caches), and
     PyTorch's random state are as they were when the block ends (NOTE [trial
-    runs do not write to real tensors], NOTE [random state in trial runs]);
-    yields what records the attributes it rebound and the state it wrote.
-    One at a time in the process (NOTE [one trial run at a time])."""
-    with _one_trial_run, ModuleAttributesKept().watching() as attributes:
-        writes = RealWritesUndone(attributes.owner_of)
-        with writes, random_state_kept():
-            yield TrialRun(attributes, writes)
+    runs do not write to real tensors], NOTE [random state in trial runs],
+    NOTE [trial runs leave caches as they found them]); yields what records
+    the attributes it rebound and the state it wrote. One at a time in the
+    process (NOTE [one trial run at a time])."""
+    with _one_trial_run, _in_trial_run():
+        caches = CachesKept()
+        caches.note([*dicts, parametrize_cache()])
+        try:
+            with ModuleAttributesKept(caches).watching() as attributes:
+                writes = RealWritesUndone(attributes.owner_of)
+                with writes, random_state_kept():
+                    yield TrialRun(attributes, writes)
+        finally:
+            caches.take_back()

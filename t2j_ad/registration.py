@@ -13,6 +13,7 @@ from typing import Any
 from . import backends
 from ._jax_internals import (
     in_program_order,
+    refused_in_scalar_computations,
     lower_nested_calls_in_place,
     register_remat_rule,
     register_rules,
@@ -47,7 +48,10 @@ register_rules(
     batch=torch_call_batch,
     jet=torch_call_jet,
     # NOTE [partitioning torch_call]; NOTE [calls with effects under jax.jit]
-    lowering=partitionable(in_program_order(torch_call_lowering, has_effects=_has_side_effects)),
+    lowering=refused_in_scalar_computations(
+        partitionable(in_program_order(torch_call_lowering, has_effects=_has_side_effects)),
+        name_of=lambda params: repr(params["fun"].name),
+    ),
 )
 require_devices_during_lowering(torch_call_p)  # the partitioned lowering reads the mesh
 # NOTE [a value call runs once]: jax.checkpoint never runs one again.

@@ -340,6 +340,7 @@ def _variant(
     )
     variant.effects_root = base  # type: ignore[attr-defined]
     variant.referenced_modules = getattr(base, "referenced_modules", ())  # type: ignore[attr-defined]
+    variant.referenced_dicts = getattr(base, "referenced_dicts", ())  # type: ignore[attr-defined]
     variant.replays = replays  # type: ignore[attr-defined]
     variant.generator_key = key  # type: ignore[attr-defined]
     variant.effects = seen
@@ -390,6 +391,14 @@ def has_side_effects(fun: TorchFn) -> bool:
     loop, or run two out of the program's order (NOTE [calls with effects
     under jax.jit]). A replay draws and writes nothing it does not put back."""
     return not getattr(fun.base, "replays", False) and bool(effects_now(fun.base))
+
+
+def kept_by_xla(fun: TorchFn) -> bool:
+    """Whether XLA must see a call of ``fun`` as having side effects: when it
+    has them, and when no output holds an element. XLA replaces a result of
+    no elements by a constant and drops the call, so a function whose
+    declared empty output was really another shape never ran to be refused."""
+    return has_side_effects(fun) or not any(int(np.prod(a.shape)) for a in fun.out_avals)
 
 
 def is_value_call(base: BaseFn) -> bool:

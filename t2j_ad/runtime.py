@@ -18,11 +18,11 @@ import numpy as np
 import torch
 
 from . import graph_mode
-from .convert import jax_dtype, on_another_device, torch_dtype
+from .convert import canonical_jax_dtype, jax_dtype, on_another_device, torch_dtype
 from .cuda_streams import external_stream, run_on_stream
 from .malloc_tuning import tune_malloc
 from .module_modes import ModuleModes, modes_hold
-from .real_writes import one_trial_run
+from .real_writes import one_trial_run, outside_trial_runs, trial_running
 from .replayed_calls import (
     GeneratorAround,
     draws_per_example,
@@ -47,13 +47,16 @@ class TorchCallError(RuntimeError):
 
 
 class InputMutationError(TorchCallError):
-    """The PyTorch function wrote into one of its inputs.
+    """The PyTorch function wrote into one of its inputs (``mutated``: their
+    flat indices, where known).
 
     Refused, because JAX arrays are immutable: until a function has run once
     without mutating its inputs it gets copies, so the caller's arrays are
     never changed. Clone the input inside the function (``x = x.clone()``)
     before writing into it.
     """
+
+    mutated: tuple[int, ...] | None = None
 
 
 # NOTE [calls inside torch.inference_mode]
@@ -165,6 +168,20 @@ _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 
 
+def _cast_on_copy(result: torch.dtype, buffer: torch.dtype) -> bool:
+    """Whether a derived call's ``result`` dtype is one that JAX, with
+    jax_enable_x64 off, holds as ``buffer``'s (NOTE [64-bit outputs] in api.py)."""
+    return _NARROWED.get(result) is buffer and np.dtype(jax_dtype(result)) != canonical_jax_dtype(jax_dtype(result))
+
+
+_NARROWED = {
+    torch.float64: torch.float32,
+    torch.int64: torch.int32,
+    torch.uint64: torch.uint32,
+    torch.complex128: torch.complex64,
+}
+
+
 class _Runner:
     """Everything a call of one TorchFn needs, computed once.
 
@@ -181,11 +198,19 @@ class _Runner:
         self.transforms = fun.transforms
         self.impl = self._built(fun)
         self.compile = self._compile_mode(fun)
-        # No graph for a plain call. A transformed one runs with grad mode on:
-        # torch.func.jvp over torch.func.vjp under no_grad silently drops the
-        # tangents of tensors the vjp saved (jvp-of-vjp of linalg.solve came
-        # out half its value), so Hessians were wrong.
-        self.grad_enabled = bool(fun.transforms)
+        # NOTE [calls run with grad mode on]
+        # Every eager call runs with PyTorch's grad mode on, as PyTorch runs a
+        # function by default (and as XLA's threads start out). A plain call
+        # under no_grad gave another value than its derivatives wherever code
+        # branches on grad mode: an eval-mode TransformerEncoder takes its
+        # nested-tensor fast path only without grad, and zeroed padded rows
+        # that jax.value_and_grad's value kept; torch.autograd.grad inside
+        # the function (a gradient penalty) failed. A transformed call needs
+        # it anyway: torch.func.jvp over torch.func.vjp under no_grad silently
+        # drops the tangents of tensors the vjp saved (jvp-of-vjp of
+        # linalg.solve came out half its value). A replayed graph holds every
+        # derivative explicitly and runs without (_first_compiled_call).
+        self.grad_enabled = True
         # What each call runs: the user's function itself for a plain eager
         # call that takes the flat tensors positionally (one frame fewer than
         # ``impl``; see BaseFn.direct), returning one tensor if
@@ -207,8 +232,12 @@ class _Runner:
         self.n_out = len(fun.out_avals)
         self.shapes = tuple(torch.Size(a.shape) for a in fun.out_avals)
         # Plain calls must return exactly the declared dtypes; derived ones
-        # are cast on copy (see NOTE [64-bit outputs] in api.py): None.
-        self.dtypes = (None,) * self.n_out if fun.transforms else fun.base.torch_out_dtypes
+        # those of XLA's buffers, or with jax_enable_x64 off the 64-bit kind
+        # of one, cast on copy (NOTE [64-bit outputs] in api.py): a batched
+        # call of a function declared int32 that returns floats was cast.
+        self.dtypes = (
+            tuple(torch_dtype(a.dtype) for a in fun.out_avals) if fun.transforms else fun.base.torch_out_dtypes
+        )
         self.forward_ad = any(isinstance(t, Jvp) for t in fun.transforms)
         self._untraced = (self.grad_enabled, self.forward_ad)  # restored by _forget_graph
         # A call with effects gets one more input, the result of the call with
@@ -253,6 +282,10 @@ class _Runner:
         # calls; everything unusual branches off to a method.
         if len(inputs) != self.n_in:
             inputs = inputs[: self.n_in]
+        if trial_running.depth:
+            with outside_trial_runs():  # a call is no part of the run around it
+                self(inputs, outputs, stream)
+            return
         if stream:
             self._on_stream(inputs, outputs, stream)
             return
@@ -476,7 +509,7 @@ class _Runner:
                     f"{aval.shape} was expected, as {self._expected_because()}."
                 )
         for name, r, declared in zip(self.out_names, results, self.dtypes):
-            if declared is not None and r.dtype != declared:
+            if declared is not None and r.dtype != declared and not (self.transforms and _cast_on_copy(r.dtype, declared)):
                 raise TorchCallError(
                     f"{self.name}: {name} has dtype {jax_dtype(r.dtype)}, "
                     f"but {jax_dtype(declared)} was expected, as {self._expected_because()}."
@@ -518,12 +551,27 @@ class _Runner:
 
     def _refuse_mutation(self, inputs: Sequence[torch.Tensor]) -> None:
         mutated = [i for i, t in enumerate(inputs) if t._version]
-        raise InputMutationError(
-            f"the PyTorch function {self.name} mutated input(s) {mutated} in place; "
-            f"t2j_ad functions must not write into their inputs (JAX arrays are "
-            f"immutable). Clone the input first (x = x.clone()) or use the "
-            f"out-of-place op."
+        names = getattr(self.base, "in_names", None) if not self.transforms else None
+        raise InputMutationError(mutation_message(self.name, mutated, names))
+
+
+def mutation_message(name: str, mutated: Sequence[int], names: Sequence[str] | None = None, where: str = "") -> str:
+    """The text of an ``InputMutationError``: the flat inputs ``mutated``,
+    by their key paths ``names`` where known."""
+    which = f"{list(mutated)}" if names is None else ", ".join(names[i] for i in mutated if i < len(names))
+    params = names is not None and any(names[i].startswith("args[0][") for i in mutated if i < len(names))
+    return (
+        f"the PyTorch function {name} mutated input(s) {which} in place{where}; t2j_ad functions must not "
+        f"write into their inputs (JAX arrays are immutable). Clone the input first (x = x.clone()) or use the "
+        f"out-of-place op."
+        + (
+            " Under jaxify_module, args[0] is params: the module's forward writes into its own parameter (as "
+            "nn.Embedding(max_norm=...) renormalizes its weight in place), which it cannot do to the arrays "
+            "JAX passes; renormalize outside the module, or jaxify a function that closes over it."
+            if params
+            else ""
         )
+    )
 
 
 class _RunnerWithEffects(_Runner):

@@ -65,6 +65,7 @@ import dataclasses
 import math
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes  # private, as in real_writes.py
@@ -89,12 +90,25 @@ class StateWrites:
         """Whether ``other`` names the same slots."""
         return self._slot_ids() == other._slot_ids()
 
-    def _slot_ids(self) -> tuple[list[int], list[tuple[int, str]]]:
-        return [id(t) for t in self.closed_over], [(id(m), n) for m, n in self.in_modules]
+    def _slot_ids(self) -> tuple[list[Any], list[tuple[int, str]]]:
+        return [_memory_key(t) for t in self.closed_over], [(id(m), n) for m, n in self.in_modules]
 
     def slot_bytes(self) -> list[int]:
         """The size of each slot's value, in bytes."""
         return [math.prod(shape) * dtype.itemsize for shape, dtype in self.layouts]
+
+
+def _memory_key(tensor: torch.Tensor) -> Any:
+    """Where ``tensor``'s values are: a written tensor reached through
+    ``.data`` or ``.detach()`` is a new object on every run, on the same
+    memory (an EMA updated through ``ema.data``)."""
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+        return id(tensor)
+    try:
+        storage = tensor.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):  # no storage of its own
+        return id(tensor)
+    return (storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
 
 
 NO_WRITES = StateWrites((), (), ())

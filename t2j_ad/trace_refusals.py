@@ -24,6 +24,13 @@ would reuse it. Such a function must run eagerly. Two ways in:
   torch-function mode refuses the reads that never reach the dispatcher
   (``.tolist()``, ``.numpy()``, ``numpy.asarray``) of a real tensor.
 
+A function may catch the error such a read raises (``try: n = int(x.max())
+except RuntimeError: n = 1``) and go on: the trace then keeps the branch
+eager never takes, silently. So each refusal, and each read a fake tensor
+cannot answer (``DataDependentOutputException``, ``DynamicOutputShapeException``),
+is also noted, and a trace that noted one is refused when the function
+returns, caught or not.
+
 Ops on closed-over tensors that keep their values inside the graph are fine:
 the graph holds the tensor by reference and sees in-place updates. Constants
 the function makes itself (``torch.tensor(2.0)``) are the same on every call,
@@ -40,7 +47,11 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import is_fake  # private: fake or functorch-wrapped fake
+from torch._subclasses.fake_tensor import (  # private: fake or functorch-wrapped fake; what a fake cannot answer
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    is_fake,
+)
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode  # private, as in real_writes.py
 
@@ -97,9 +108,10 @@ class _ClosedOverFollower(TorchDispatchMode):
     """Follows tensors computed from real (closed-over) ones; refuses aten
     ops that would read their values or take a shape from them."""
 
-    def __init__(self) -> None:
+    def __init__(self, noted: list[NotTraceable]) -> None:
         super().__init__()
         self._derived: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._noted = noted  # each refusal and unanswerable read, caught by the function or not
 
     def from_closed_over(self, t: torch.Tensor) -> bool:
         if not is_fake(t):
@@ -114,10 +126,19 @@ class _ClosedOverFollower(TorchDispatchMode):
         )
         if followed:
             if func in _VALUE_READS:
-                raise _refusal(f"reads the value ({func})")
+                raise _noted(self._noted, _refusal(f"reads the value ({func})"))
             if torch.Tag.dynamic_output_shape in func.tags and self._shape_from_values(func, args):
-                raise _refusal(f"takes a shape from the values ({func})")
-        out = func(*args, **kwargs)
+                raise _noted(self._noted, _refusal(f"takes a shape from the values ({func})"))
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as err:
+            _noted(self._noted, _unanswerable(func, type(err).__name__))
+            raise
+        if func in _VALUE_READS and isinstance(out, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            # A value the trace does not know (a symbol): whatever Python does
+            # with it next fails or guards, and the read stays in the graph
+            # only if its result is used.
+            _noted(self._noted, _unanswerable(func, "a value the trace does not know"))
         if followed:
             for o in pytree.tree_leaves(out):
                 if isinstance(o, torch.Tensor):
@@ -133,22 +154,50 @@ class _ClosedOverFollower(TorchDispatchMode):
         return True
 
 
+def _noted(noted: list[NotTraceable], refusal: NotTraceable) -> NotTraceable:
+    noted.append(refusal)
+    return refusal
+
+
+def _unanswerable(func: Any, why: str) -> NotTraceable:
+    return NotTraceable(
+        f"it reads a tensor's value into Python, or takes a shape from its values ({func}: {why}); "
+        f"a function that catches the error this raises in a trace is refused too"
+    )
+
+
 class _PythonReadRefuser(TorchFunctionMode):
-    """Refuses ``.tolist()``, ``.numpy()`` and ``__array__`` of a real tensor."""
+    """Refuses ``.tolist()``, ``.numpy()`` and ``__array__`` of a real tensor,
+    and notes those of a fake one, which fail."""
+
+    def __init__(self, noted: list[NotTraceable]) -> None:
+        super().__init__()
+        self._noted = noted
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if func in _PYTHON_READS and args and isinstance(args[0], torch.Tensor) and not is_fake(args[0]):
-            raise _refusal(f"reads the values (Tensor.{func.__name__})")
+        if func in _PYTHON_READS and args and isinstance(args[0], torch.Tensor):
+            if not is_fake(args[0]):
+                raise _noted(self._noted, _refusal(f"reads the values (Tensor.{func.__name__})"))
+            try:
+                return func(*args, **(kwargs or {}))
+            except Exception as err:
+                _noted(self._noted, _unanswerable(f"Tensor.{func.__name__}", type(err).__name__))
+                raise
         return func(*args, **(kwargs or {}))
 
 
 def refusing_closed_over_reads(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn``, where a read of a closed-over tensor's value raises
-    ``NotTraceable`` (NOTE [values a graph would keep]): what ``make_fx`` traces."""
+    ``NotTraceable``, and so does its return after any read it caught
+    (NOTE [values a graph would keep]): what ``make_fx`` traces."""
 
     def traced(*args: Any) -> Any:
-        with _PythonReadRefuser(), _ClosedOverFollower():
-            return fn(*args)
+        noted: list[NotTraceable] = []
+        with _PythonReadRefuser(noted), _ClosedOverFollower(noted):
+            result = fn(*args)
+        if noted:
+            raise noted[0]
+        return result
 
     return traced
 

@@ -551,3 +551,59 @@ def test_function_reading_numpy_differentiates():
         assert_tree_allclose(jax.vmap(jax.grad(f))(batch), jax.vmap(jax.grad(_scaled_jax))(batch))
     assert_warned_once(record, "reverse mode of '_scaled_by_numpy'", "doesn't have storage", ".numpy()")
     assert_warned_once(record, "forward mode of '_scaled_by_numpy'", "doesn't have storage")
+
+
+def test_torch_utils_checkpoint_inside_falls_back_to_autograd_and_matches_it(x64):
+    """torch.utils.checkpoint(use_reentrant=False) sets saved-tensor hooks,
+    which torch.func refuses: every reverse-mode transform failed."""
+    import torch.utils.checkpoint as checkpoint
+
+    def body(z):
+        return torch.tanh(z) * z.exp()
+
+    def loss(x):
+        return (checkpoint.checkpoint(body, x, use_reentrant=False) ** 2).sum()
+
+    x = jnp.array([0.3, -1.2, 0.7])
+    f = t2j_ad.jaxify(loss)
+    with pytest.warns(t2j_ad.FallbackWarning, match="saved-tensor hooks"):
+        grad = jax.grad(f)(x)
+    tx = torch.tensor([0.3, -1.2, 0.7], dtype=torch.float64)
+    np.testing.assert_allclose(grad, torch.func.grad(lambda x: (body(x) ** 2).sum())(tx).numpy(), rtol=1e-12)
+    np.testing.assert_allclose(
+        jax.hessian(f)(x), torch.autograd.functional.hessian(lambda x: (body(x) ** 2).sum(), tx).numpy(), rtol=1e-10
+    )
+
+
+def test_an_op_without_a_forward_mode_formula_gets_forward_mode_by_double_vjp(x64):
+    """grid_sample has a backward but no forward-mode formula: jax.jacfwd and
+    jax.hessian (forward over reverse) failed where jax.jacrev worked."""
+    image = torch.randn(1, 1, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def warped(theta):
+        grid = torch.nn.functional.affine_grid(theta.reshape(1, 2, 3), (1, 1, 4, 4), align_corners=False)
+        return torch.nn.functional.grid_sample(image, grid, align_corners=False).pow(2).mean()
+
+    theta = jnp.array([1.0, 0.1, 0.05, -0.1, 0.9, 0.02])
+    f = t2j_ad.jaxify(warped)
+    with pytest.warns(t2j_ad.FallbackWarning, match="no forward-mode formula"):
+        hessian = jax.hessian(f)(theta)
+    expected = torch.func.jacrev(torch.func.jacrev(warped))(torch.tensor(np.asarray(theta)))
+    np.testing.assert_allclose(hessian, expected.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(jax.jacfwd(f)(theta), torch.func.grad(warped)(torch.tensor(np.asarray(theta))).numpy(), rtol=1e-10)
+
+
+def test_no_forward_formula_of_a_sparse_constructor_stays_an_error(x64):
+    """PyTorch's double backward through sparse_coo_tensor is silently zero,
+    so the double-vjp trick would give zero tangents: PyTorch's error stands."""
+    index = torch.tensor([[0, 1, 2], [1, 0, 2]])
+
+    def f(x):
+        dense = torch.sparse_coo_tensor(index, x[:3], (3, 3)).to_dense()
+        return (dense @ torch.arange(3.0, dtype=x.dtype)).pow(2).sum() * x[3]
+
+    x = jnp.array([1.0, 0.1, 0.5, 2.0])
+    jf = t2j_ad.jaxify(f)
+    np.testing.assert_allclose(jax.grad(jf)(x), jax.grad(lambda x: (x[0] ** 2 + 4 * x[2] ** 2) * x[3])(x))
+    with pytest.raises(Exception, match="Trying to use forward AD with _sparse_coo_tensor"):
+        jax.jacfwd(jf)(x)

@@ -287,7 +287,8 @@ def test_ops_without_meta_kernels_infer_with_real_calls_on_zeros_and_ones():
     assert calls == ["meta", TORCH_DEVICE.type, TORCH_DEVICE.type, TORCH_DEVICE.type]
 
 
-def test_forward_runs_under_no_grad_with_controlled_threads():
+def test_forward_runs_under_grad_mode_with_controlled_threads():
+    # NOTE [calls run with grad mode on]: as PyTorch runs a function by default.
     seen = {}
 
     def probe(x):
@@ -298,7 +299,7 @@ def test_forward_runs_under_no_grad_with_controlled_threads():
 
     t2j_ad.set_torch_threads(1)
     jax.jit(t2j_ad.jaxify(probe))(jnp.ones(2))
-    assert seen == {"grad": False, "threads": 1}
+    assert seen == {"grad": True, "threads": 1}
     with pytest.raises(ValueError, match="n must be >= 1"):
         t2j_ad.set_torch_threads(0)
 
@@ -356,3 +357,123 @@ def test_jax_export_refuses_a_call_into_this_process():
     f = t2j_ad.jaxify(lambda x: torch.sin(x))
     with pytest.raises(NotImplementedError, match="host_callbacks"):
         jax.export.export(jax.jit(f))(jnp.ones(3))
+
+
+def test_a_plain_call_sees_grad_mode_on_as_its_value_and_grad_does():
+    """NOTE [calls run with grad mode on]: a plain call ran under no_grad, so
+    code that branches on grad mode gave another value than value_and_grad's
+    (an eval-mode TransformerEncoder zeroed padded rows only without grad)."""
+    f = t2j_ad.jaxify(lambda x: x * (2.0 if torch.is_grad_enabled() else 3.0))
+    x = jnp.array([1.0, -2.0])
+    value, grad = jax.value_and_grad(lambda x: f(x).sum())(x)
+    np.testing.assert_allclose(f(x), 2.0 * x)
+    np.testing.assert_allclose(jax.jit(f)(x), 2.0 * x)
+    np.testing.assert_allclose(value, float(2.0 * x.sum()))
+    np.testing.assert_allclose(grad, [2.0, 2.0])
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_torch_autograd_grad_inside_the_function_matches_torch_func(mode, x64):
+    """A gradient penalty: torch.autograd.grad inside the function failed
+    ("does not require grad") while plain calls and inference ran under no_grad."""
+
+    def penalized(x):
+        inner = x if x.requires_grad else x.detach().requires_grad_(True)
+        y = (torch.sin(inner) * inner).sum()
+        (g,) = torch.autograd.grad(y, inner, create_graph=True)
+        return (g**2).sum() + y
+
+    x = jnp.array([0.3, -1.2, 2.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", t2j_ad.FallbackWarning)
+        f = t2j_ad.jaxify(penalized, compile=mode)
+        np.testing.assert_allclose(f(x), penalized(to_torch(x)).item(), rtol=1e-12)
+
+        def reference(x):
+            inner = lambda z: (jnp.sin(z) * z).sum()  # noqa: E731
+            return (jax.grad(inner)(x) ** 2).sum() + inner(x)
+
+        np.testing.assert_allclose(jax.grad(f)(x), jax.grad(reference)(x), rtol=1e-10)
+        np.testing.assert_allclose(jax.hessian(f)(x), jax.hessian(reference)(x), rtol=1e-10)
+
+
+def test_the_signature_cache_follows_jax_enable_x64():
+    """The output dtypes resolved with x64 off (64-bit -> 32-bit) were reused
+    after x64 was turned on: int64 2**33 came back as int32 0, silently."""
+    f = t2j_ad.jaxify(lambda x: x.long() * 2**33)
+    x = jnp.array([1.0, 2.0], jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        assert f(x).dtype == jnp.int32
+    with jax.enable_x64(True):
+        out = f(x)
+        assert out.dtype == jnp.int64
+        np.testing.assert_array_equal(out, np.array([1, 2]) * 2**33)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        assert f(x).dtype == jnp.int32
+
+
+def test_a_declared_empty_output_of_another_shape_is_refused():
+    """XLA replaced a call whose every output is empty by a constant, so a
+    function declared to return (0, 3) that returned (2, 3) never ran."""
+    runs = []
+
+    def fn(x):
+        runs.append(1)
+        return x * 2
+
+    f = t2j_ad.jaxify(fn, output_shapes=jax.ShapeDtypeStruct((0, 3), jnp.float32))
+    x = jnp.ones((2, 3))
+    for call in (f, jax.jit(f)):
+        with pytest.raises(Exception, match=r"output has shape \(2, 3\), but \(0, 3\) was expected"):
+            jax.block_until_ready(call(x))
+    assert runs
+
+
+def test_a_truly_empty_output_still_runs_and_matches_jnp():
+    f = t2j_ad.jaxify(lambda x: x[:0] * 2)
+    x = jnp.ones((2, 3))
+    assert f(x).shape == (0, 3)
+    assert jax.jit(jax.vmap(f))(jnp.ones((4, 2, 3))).shape == (4, 0, 3)
+
+
+def test_a_batched_call_refuses_a_declared_dtype_it_does_not_return():
+    """vmap cast a float64 result into a declared int32 output (1.25 * 2 -> 2)
+    where a plain call refused it."""
+    with jax.enable_x64(True):
+        f = t2j_ad.jaxify(lambda x: x * 2, output_shapes=jax.ShapeDtypeStruct((3,), jnp.int32))
+        x = jnp.array([[0.25, 1.25, 2.75], [3.5, 4.25, 5.0]])
+        with pytest.raises(Exception, match="has dtype float64, but int32 was expected"):
+            jax.block_until_ready(jax.vmap(f)(x))
+
+
+def test_a_batched_64_bit_result_is_still_cast_with_x64_off():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        f = t2j_ad.jaxify(lambda x: x.double() * 2)
+        out = jax.vmap(f)(jnp.ones((3, 2), jnp.float32))
+        grad = jax.grad(lambda x: f(x).sum())(jnp.ones(2, jnp.float32))
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, 2 * np.ones((3, 2)))
+    np.testing.assert_allclose(grad, [2.0, 2.0])
+
+
+@pytest.mark.parametrize(
+    "reduction",
+    [
+        lambda add, x: jax.lax.reduce(x, 0.0, add, (0,)),
+        lambda add, x: jax.lax.reduce_window(x, 0.0, add, (2, 2), (1, 1), "VALID"),
+    ],
+    ids=["reduce", "reduce_window"],
+)
+def test_a_call_as_the_computation_of_a_reduction_is_refused_not_an_abort(reduction):
+    """XLA's CPU compiler aborted the process on a custom call inside a
+    reducer's region (as it does for jax.pure_callback)."""
+    add = t2j_ad.jaxify(lambda a, b: a + b)
+    x = jnp.arange(12.0).reshape(3, 4)
+    with pytest.raises(ValueError, match="inside the computation of a reduce"):
+        reduction(add, x)
+    # the same function in a scan is fine, and agrees with jnp
+    total, _ = jax.lax.scan(lambda c, row: (add(c, row), None), jnp.zeros(4), x)
+    np.testing.assert_allclose(total, x.sum(0))

@@ -321,7 +321,7 @@ def _mutation_fault() -> Fault:
     return Fault(
         "input mutation (caller's array unchanged)",
         bad,
-        r"mutated input\(s\) \[0\] in place",
+        r"mutated input\(s\) args\[0\] in place",
         lambda: (jax.jit(t2j_ad.jaxify(lambda x: x * 2))(x), x * 2),
     )
 
@@ -381,7 +381,7 @@ def test_data_dependent_mutation_after_a_clean_call_leaves_the_array_unchanged()
     call = jax.jit(t2j_ad.jaxify(_sometimes_zeroes_its_input))
     assert_tree_allclose(call(GOOD), GOOD * 2)
     x = BAD + 0
-    with pytest.raises(RUNTIME_ERRORS, match=r"mutated input\(s\) \[0\] in place"):
+    with pytest.raises(RUNTIME_ERRORS, match=r"mutated input\(s\) args\[0\] in place"):
         jax.block_until_ready(call(x))
     np.testing.assert_array_equal(np.asarray(x), np.asarray(BAD))
 
@@ -392,7 +392,7 @@ def test_data_dependent_mutation_in_the_first_call_leaves_the_array_unchanged(co
     # a call that left the inputs alone, so the first call gets copies.
     call = jax.jit(t2j_ad.jaxify(_sometimes_zeroes_its_input, compile=compile))
     x = BAD + 0
-    with pytest.raises(RUNTIME_ERRORS, match=r"mutated input\(s\) \[0\] in place"):
+    with pytest.raises(RUNTIME_ERRORS, match=r"mutated input\(s\) args\[0\] in place"):
         jax.block_until_ready(call(x))
     np.testing.assert_array_equal(np.asarray(x), np.asarray(BAD))
     assert_tree_allclose(call(GOOD), GOOD * 2)
@@ -411,7 +411,7 @@ def test_calls_inside_torch_inference_mode_run_and_leave_the_arrays_alone(compil
         assert_tree_allclose(f(jnp.ones(5)), jnp.full(5, 2 * np.sin(1.0), jnp.float32))
         jax.block_until_ready(writes(x))  # on copies: the write is not seen there
     np.testing.assert_array_equal(np.asarray(x), np.asarray(BAD))
-    with pytest.raises(RUNTIME_ERRORS, match=r"mutated input\(s\) \[0\] in place"):
+    with pytest.raises(RUNTIME_ERRORS, match=r"mutated input\(s\) args\[0\] in place"):
         jax.block_until_ready(writes(x))  # outside, the write is refused
     np.testing.assert_array_equal(np.asarray(x), np.asarray(BAD))
 

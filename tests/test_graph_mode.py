@@ -40,9 +40,9 @@ def traces(monkeypatch):
     seen: list[str] = []
     original = graph_mode.trace
 
-    def counting(fn, inputs, grad_enabled):
+    def counting(fn, inputs, grad_enabled, dicts=()):
         seen.append(len(inputs))
-        return original(fn, inputs, grad_enabled)
+        return original(fn, inputs, grad_enabled, dicts)
 
     monkeypatch.setattr(graph_mode, "trace", counting)
     return seen
@@ -1117,3 +1117,76 @@ def test_dead_graphs_leave_no_generated_source_behind():
     assert not (set(graph_module._loader.eval_cache) - before)
     assert not any(key in linecache.cache for key in alive)
 
+
+
+def test_a_value_read_the_function_catches_falls_back_instead_of_baking_the_except_branch():
+    """int(x.max()) fails on a fake tensor; a function that caught that error
+    went on in its except branch, and the graph kept that branch silently."""
+
+    def scaled(x):
+        try:
+            n = int(x.max())
+        except RuntimeError:
+            n = 1
+        return x * n
+
+    def signed(x):
+        try:
+            positive = bool(x.sum() > 0)
+        except RuntimeError:
+            positive = False
+        return x * 2 if positive else x * 3
+
+    x = jnp.array([2.0, 3.0])
+    for fn, expected in ((scaled, [6.0, 9.0]), (signed, [4.0, 6.0])):
+        f = t2j_ad.jaxify(fn, compile="graph")
+        with pytest.warns(t2j_ad.FallbackWarning, match="reads a tensor's value into Python"):
+            np.testing.assert_allclose(f(x), expected)
+        np.testing.assert_allclose(f(x), to_numpy(fn(torch.tensor([2.0, 3.0]))))
+
+
+@pytest.mark.parametrize("how", ["child", "dict"])
+def test_graph_mode_follows_flags_of_a_child_and_of_a_module_in_a_dict(how):
+    """A method reading self.head.training, or a module reached through a
+    dict the function names, kept the training branch after eval()."""
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor([1.0, -1.0]))
+            self.head = torch.nn.Identity()
+
+        def encode(self, x):
+            return x * self.w * (10.0 if self.training else 1.0)
+
+        def encode_by_head(self, x):
+            return x * self.w * (10.0 if self.head.training else 1.0)
+
+    enc = Encoder().train()
+    registry = {"enc": enc}
+    if how == "child":
+        f = t2j_ad.jaxify(enc.encode_by_head, compile="graph")
+        switch = enc.head.eval
+    else:
+        f = t2j_ad.jaxify(lambda x: registry["enc"].encode(x), compile="graph")
+        switch = enc.eval
+    x = jnp.array([1.0, 2.0])
+    np.testing.assert_allclose(f(x), [10.0, -20.0])
+    switch()
+    np.testing.assert_allclose(f(x), [1.0, -2.0])
+    np.testing.assert_allclose(jax.grad(lambda x: f(x).sum())(x), [1.0, -1.0])
+
+
+def test_forward_mode_in_graph_mode_keeps_zero_tangents_zero_at_inf_and_nan(x64):
+    """NOTE [zero tangents in a graph]: the trace made a missing tangent plain
+    zeros, so a replay gave 0 * inf = NaN where eager's zero tensor, and JAX,
+    give 0; one NaN entry made a whole jacfwd row NaN."""
+    w = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    x = jnp.array([jnp.inf, 1.0, -jnp.inf])
+    t = jnp.array([0.0, 1.0, 0.0])
+    expected = jax.jvp(lambda x: x * jnp.array([1.0, 2.0, 3.0]), (x,), (t,))[1]
+    for mode in ("eager", "graph"):
+        f = t2j_ad.jaxify(lambda x: x * w, compile=mode)
+        np.testing.assert_array_equal(jax.jvp(f, (x,), (t,))[1], expected)
+        g = t2j_ad.jaxify(lambda x: (x * w).sum() * torch.ones(2, dtype=x.dtype), compile=mode)
+        np.testing.assert_array_equal(jax.jacfwd(g)(jnp.array([jnp.nan, 1.0, 2.0])), [[1.0, 2.0, 3.0]] * 2)

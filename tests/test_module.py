@@ -264,3 +264,102 @@ def test_hessian_of_eval_mode_attention_matches_torch_func():
     own = {k: v.detach() for k, v in module.named_parameters()}
     expected = torch.func.hessian(lambda p: torch.func.functional_call(module, p, (to_torch(x),)).sin().sum())(own)
     assert_tree_allclose(got, jax.tree_util.tree_map(lambda t: jnp.asarray(to_numpy(t)), expected), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_torchscript_module_runs_and_differentiates_as_the_original(mode, x64):
+    """Scripted modules failed inside t2j_ad's own walk of their tables
+    (TorchScript's table wrappers take string keys only)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2).double().to(TORCH_DEVICE)
+    scripted = torch.jit.script(lin)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)))
+    apply, params = t2j_ad.jaxify_module(scripted, compile=mode)
+    assert_tree_allclose(apply(params, x), jnp.asarray(to_numpy(lin(to_torch(x)))))
+    grads = jax.grad(lambda p: (apply(p, x) ** 2).sum())(params)
+    expected = torch.func.grad(lambda p: (torch.func.functional_call(lin, p, (to_torch(x),)) ** 2).sum())(
+        {k: v.detach() for k, v in lin.named_parameters()}
+    )
+    assert_tree_allclose(grads, {k: jnp.asarray(to_numpy(v)) for k, v in expected.items()})
+    closure = t2j_ad.jaxify(lambda x: (scripted(x) ** 2).sum(), compile=mode)
+    np.testing.assert_allclose(
+        jax.grad(closure)(x), to_numpy(torch.func.grad(lambda x: (lin(x) ** 2).sum())(to_torch(x))), rtol=1e-12
+    )
+
+
+def test_two_wrappers_of_one_module_on_two_threads_keep_their_own_params():
+    """Each jaxify_module held a lock of its own, so two wrappers of one
+    module swapped their parameters into it together: wrong results, and the
+    module left holding a plain tensor where its Parameter was."""
+    import threading
+    import time
+
+    class Slow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            time.sleep(0.002)
+            return self.lin(x)
+
+    module = Slow().to(TORCH_DEVICE)
+    weight = module.lin.weight
+    apply1, params1 = t2j_ad.jaxify_module(module)
+    apply2, params2 = t2j_ad.jaxify_module(module)
+    params2 = jax.tree_util.tree_map(lambda a: a * 3, params2)
+    x = jnp.ones((2, 3))
+    expected = [np.asarray(apply1(params1, x)), np.asarray(apply2(params2, x))]
+    wrong = [0, 0]
+
+    def run(k, apply, params):
+        for _ in range(10):
+            wrong[k] += not np.allclose(apply(params, x), expected[k])
+
+    threads = [threading.Thread(target=run, args=(0, apply1, params1)), threading.Thread(target=run, args=(1, apply2, params2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == [0, 0]
+    assert module.lin.weight is weight
+
+
+def test_jaxify_module_takes_output_shapes_for_a_module_that_cannot_run_on_zeros(x64):
+    """pack_padded_sequence refuses lengths of zero, so shape inference failed
+    and told the user to pass output_shapes=, which jaxify_module lacked."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(3, 4, batch_first=True)
+
+        def forward(self, x, lengths):
+            packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+            out, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=True, total_length=x.shape[1])
+            return out
+
+    torch.manual_seed(0)
+    module = Packed().double()
+    x = torch.randn(3, 5, 3, dtype=torch.float64)
+    lengths = torch.tensor([5, 2, 4])
+    apply, params = t2j_ad.jaxify_module(module, output_shapes=jax.ShapeDtypeStruct((3, 5, 4), jnp.float64))
+    jx, jl = jnp.asarray(x.numpy()), jnp.asarray(lengths.numpy())
+    np.testing.assert_allclose(apply(params, jx, jl), module(x, lengths).detach().numpy(), rtol=1e-12)
+    with pytest.warns(t2j_ad.FallbackWarning):  # the packed GRU reads lengths' data: autograd.grad
+        grads = jax.grad(lambda p: apply(p, jx, jl).sum())(params)
+    module(x, lengths).sum().backward()
+    for name, p in module.named_parameters():
+        np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=1e-10)
+
+
+def test_a_lazy_module_not_yet_run_is_refused_with_the_fix():
+    """Shape inference ran LazyLinear's initialization, then put PyTorch's
+    generator back: every lazy layer drew the same initial weights."""
+    net = nn.Sequential(nn.LazyLinear(4), nn.Tanh(), nn.LazyLinear(4))
+    with pytest.raises(ValueError, match=r"lazy module LazyLinear .* Run the module once in PyTorch"):
+        t2j_ad.jaxify(lambda x: net(x))(jnp.ones((2, 4)))
+    net(torch.ones(2, 4))  # as the message says
+    f = t2j_ad.jaxify(lambda x: net(x))
+    np.testing.assert_allclose(f(jnp.ones((2, 4))), net(torch.ones(2, 4)).detach().numpy(), rtol=1e-6)

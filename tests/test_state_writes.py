@@ -428,3 +428,4 @@ def test_a_buffer_written_through_data_or_detach_is_the_modules_state(how, mode)
         expected.backward()
         assert_tree_allclose((value, grad), (to_numpy(expected.detach()), to_numpy(tx.grad)))
         torch.testing.assert_close(module.average, twin.average)  # updated once per step
+

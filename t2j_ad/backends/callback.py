@@ -17,7 +17,7 @@ import torch
 
 from .._jax_internals import buffer_callback, lower_fun
 from ..convert import torch_dtype
-from ..replayed_calls import has_side_effects
+from ..replayed_calls import kept_by_xla
 from ..runtime import run_into
 from ..torch_fn import TorchFn
 
@@ -38,7 +38,7 @@ def _via_buffer_callback(fun: TorchFn, on_gpu: bool):
         )
 
     # NOTE [calls with effects under jax.jit] in replayed_calls.py
-    return buffer_callback(callback, _result_shapes(fun), has_side_effect=has_side_effects(fun))
+    return buffer_callback(callback, _result_shapes(fun), has_side_effect=kept_by_xla(fun))
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:

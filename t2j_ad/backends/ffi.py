@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .._jax_internals import compiles_only
-from ..replayed_calls import has_side_effects
+from ..replayed_calls import kept_by_xla
 from ..runtime import runner_for
 from . import registry
 
@@ -173,5 +173,5 @@ def lower(ctx: Any, *args: Any, fun: Any) -> Sequence[Any]:
         return callback.lower(ctx, *args, fun=fun)
     key = keep_alive(ctx).register(fun)
     # NOTE [calls with effects under jax.jit] in replayed_calls.py
-    lowering = jax.ffi.ffi_lowering(TARGET, has_side_effect=has_side_effects(fun))
+    lowering = jax.ffi.ffi_lowering(TARGET, has_side_effect=kept_by_xla(fun))
     return lowering(ctx, *args, key=np.int64(key))

@@ -70,6 +70,8 @@ _CAPTURED_WRITE_ADVICE = (
     " (The function writes in place into a tensor it closes over, e.g. BatchNorm's running statistics in "
     "training mode.)"
 )
+_SAVED_TENSOR_HOOKS = "don't yet support saved tensor hooks"
+_NO_FORWARD_FORMULA = "Trying to use forward AD with"
 # Forward-mode refusals -> the advice the fallback warning adds.
 _FORWARD_REFUSALS = {
     "You must implement the jvp function": " Define a jvp staticmethod on the autograd.Function to avoid it.",
@@ -81,6 +83,9 @@ _FORWARD_REFUSALS = {
     "ZeroTensors are immutable": " (A PyTorch forward-mode formula failed; reverse mode has no such formula.)",
     "doesn't have storage": " (The function reads a tensor's data, e.g. with .numpy(), which torch.func cannot trace.)",
     _CAPTURED_WRITE: _CAPTURED_WRITE_ADVICE,
+    # An op with a backward but no forward-mode formula (grid_sample): jacfwd
+    # and jax.hessian (forward over reverse) failed where jacrev worked.
+    _NO_FORWARD_FORMULA: " (PyTorch has no forward-mode formula for an op here.)",
 }
 # Reverse-mode refusals -> the advice the fallback warning adds.
 _FUNCTORCH_REFUSALS = {
@@ -93,6 +98,9 @@ _FUNCTORCH_REFUSALS = {
     # function on plain tensors, where the read works (and is a constant).
     "doesn't have storage": " (The function reads a tensor's data, e.g. with .numpy(), which torch.func cannot trace.)",
     _CAPTURED_WRITE: _CAPTURED_WRITE_ADVICE,
+    # torch.utils.checkpoint(use_reentrant=False) sets saved-tensor hooks,
+    # which torch.func refuses; plain autograd recomputes as PyTorch does.
+    _SAVED_TENSOR_HOOKS: " (torch.utils.checkpoint inside the function sets saved-tensor hooks.)",
 }
 
 
@@ -114,6 +122,11 @@ def _refuse_unseen_write(base: Any, err: BaseException) -> None:
 
 def _refused(err: BaseException, needles: Iterable[str]) -> bool:
     text = str(err)
+    if _NO_FORWARD_FORMULA in text and "sparse" in text:
+        # The double-vjp trick needs a right double backward, and PyTorch's
+        # of its sparse constructors is silently zero (torch 2.13:
+        # jacfwd through sparse_coo_tensor(...).to_dense() came out 0).
+        return False
     return isinstance(err, (RuntimeError, NotImplementedError)) and any(n in text for n in needles)
 
 
@@ -278,7 +291,7 @@ def double_vjp_jvp(
 ) -> tuple[torch.Tensor, ...]:
     """``J t`` from reverse mode alone (see NOTE [fallbacks])."""
     if decisions(base).get(("once differentiable", key)):
-        with torch.no_grad():
+        with torch.enable_grad():
             outs = fn(*primals)
     else:
         outs = _outputs_refusing_once_differentiable(fn, primals, base, key)
@@ -337,7 +350,9 @@ def _outputs_refusing_once_differentiable(
             xs = [p.detach().requires_grad_(True) if p.is_floating_point() or p.is_complex() else p for p in primals]
             outs = fn(*xs)
     except RuntimeError:  # e.g. requires_grad_ on a tensor a torch.func level batches
-        with torch.no_grad():
+        # Grad mode on, as every call runs (NOTE [calls run with grad mode on]
+        # in runtime.py): torch.autograd.grad inside the function needs it.
+        with torch.enable_grad():
             return fn(*primals)  # _refuse_once_differentiable looks at the reverse pass instead
     marked = _once_differentiable_in(outs)
     if marked:

@@ -346,9 +346,9 @@ def test_graph_mode_traces_the_local_batch_and_stays_sharded(mesh, monkeypatch):
     traced_shapes = []
     original = graph_mode.trace
 
-    def recording(fn, inputs, grad_enabled):
+    def recording(fn, inputs, grad_enabled, dicts=()):
         traced_shapes.append([tuple(t.shape) for t in inputs])
-        return original(fn, inputs, grad_enabled)
+        return original(fn, inputs, grad_enabled, dicts)
 
     monkeypatch.setattr(graph_mode, "trace", recording)
     f = t2j_ad.jaxify(lambda w, x: torch.tanh(x @ w) ** 2, vmap_method="expand_dims", compile="graph")

@@ -1,0 +1,59 @@
+"""What a user's function refers to: the objects its code can reach in a few
+steps, for the modules whose training flags it reads (NOTE [a graph per
+training mode]) and the dicts it may cache tensors in (NOTE [trial runs
+leave caches as they found them])."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+from collections.abc import Callable
+from typing import Any
+
+# The most entries of a dict, list or tuple looked into, and how many steps.
+_CONTAINER_ENTRIES = 64
+_DEPTH = 2
+
+
+def reachable(fn: Callable[..., Any], wanted: Callable[[Any], bool], stop: tuple[type, ...] = ()) -> list[Any]:
+    """The objects ``wanted`` accepts among those ``fn`` reaches: itself, a
+    bound method's ``self`` (and what it holds as attributes), what its code
+    names from its closure, globals or default arguments, a
+    ``functools.partial``'s function and arguments, and the entries of a
+    dict, list or tuple among those (``models["encoder"]``); each once, up
+    to two steps from ``fn``, not looking into an object of a ``stop`` type."""
+    found: dict[int, Any] = {}
+
+    def visit(obj: Any, depth: int) -> None:
+        if wanted(obj):
+            found.setdefault(id(obj), obj)
+            return
+        if depth > _DEPTH or isinstance(obj, stop):
+            return
+        if isinstance(obj, (dict, list, tuple)):
+            if len(obj) <= _CONTAINER_ENTRIES:
+                for value in obj.values() if isinstance(obj, dict) else obj:
+                    visit(value, depth + 1)
+            return
+        if isinstance(obj, functools.partial):
+            for inner in (obj.func, *obj.args, *obj.keywords.values()):
+                visit(inner, depth + 1)
+            return
+        owner = getattr(obj, "__self__", None)
+        if owner is not None and not isinstance(owner, (type, types.ModuleType)):
+            visit(owner, depth + 1)
+        code_of = getattr(obj, "__func__", obj)
+        if inspect.isfunction(code_of):
+            try:
+                names = inspect.getclosurevars(code_of)
+            except (TypeError, ValueError):  # nothing to learn from this one
+                return
+            defaults = (*(code_of.__defaults__ or ()), *(code_of.__kwdefaults__ or {}).values())
+            for value in (*names.nonlocals.values(), *names.globals.values(), *defaults):
+                visit(value, depth + 1)
+        elif depth and not callable(obj) and type(getattr(obj, "__dict__", None)) is dict:
+            visit(obj.__dict__, depth + 1)  # a plain object's attributes
+
+    visit(fn, 0)
+    return list(found.values())

@@ -1,0 +1,112 @@
+"""Dicts a trial run fills with tensors are emptied of them again.
+
+NOTE [trial runs leave caches as they found them]
+A function may keep tensors it computed in a dict between calls: a basis
+matrix per size in ``self._basis[n]``, rotary tables per ``(n, device,
+dtype)`` in a global dict, or ``torch.nn.utils.parametrize.cached()``'s
+weights. Shape inference runs the function on the meta device, and a
+graph-mode trace on fake tensors, so such a run cached a tensor with no
+values: the real call then computed with it (PyTorch's CPU matmul accepts a
+meta operand and returns uninitialized memory; a fake one gave garbage
+gradients), and so did the user's own PyTorch calls afterwards. So each
+trial run notes the dicts the function can reach (those its code names from
+its closure or globals, and those its arguments' and referenced modules'
+attributes hold; ``dicts_named_by``), those the modules it runs hold as
+attributes (noted as each ``forward`` starts), and parametrize's cache, and
+when the run ends, takes out every entry it added or changed to a value
+holding a tensor, putting the old value back. Entries holding no tensor (a
+call counter) stay, as other Python state a trial run touches does; caches
+of other kinds (``functools.lru_cache``) are not seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .references import reachable
+
+_ABSENT = object()
+
+# The most entries of a container holds_tensor looks into, and how deep.
+_ENTRIES = 64
+_DEPTH = 2
+
+
+def holds_tensor(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is a tensor, or a tuple, list or dict holding one
+    (two levels deep)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth >= _DEPTH:
+        return False
+    if isinstance(value, (tuple, list)) and len(value) <= _ENTRIES:
+        return any(holds_tensor(v, depth + 1) for v in value)
+    if isinstance(value, dict) and len(value) <= _ENTRIES:
+        return any(holds_tensor(v, depth + 1) for v in value.values())
+    return False
+
+
+class CachesKept:
+    """The dicts noted, each as it was when first noted; ``take_back`` puts
+    back each entry changed since to a value holding a tensor (NOTE [trial
+    runs leave caches as they found them])."""
+
+    def __init__(self) -> None:
+        self._saved: dict[int, tuple[dict[Any, Any], dict[Any, Any]]] = {}
+
+    def note(self, dicts: Iterable[Any]) -> None:
+        for d in dicts:
+            if type(d) is dict and id(d) not in self._saved:
+                self._saved[id(d)] = (d, dict(d))
+
+    def note_attributes(self, module: torch.nn.Module) -> None:
+        """Note the dicts ``module`` holds as attributes (its caches)."""
+        self.note(module_dicts(module))
+
+    def take_back(self) -> None:
+        for d, saved in self._saved.values():
+            for key in [*d.keys(), *(k for k in saved if k not in d)]:
+                old, new = saved.get(key, _ABSENT), d.get(key, _ABSENT)
+                if old is new or not (holds_tensor(new) or holds_tensor(old)):
+                    continue
+                if old is _ABSENT:
+                    del d[key]
+                else:
+                    d[key] = old
+        self._saved.clear()
+
+
+def dicts_named_by(fn: Callable[..., Any], modules: Iterable[torch.nn.Module] = ()) -> list[dict[Any, Any]]:
+    """The dicts ``fn`` can reach: those its code names from its closure or
+    globals (or a ``functools.partial``'s arguments, or a bound method's
+    ``self`` holds), and those the ``modules`` and their submodules hold as
+    attributes."""
+    found = {id(d): d for d in reachable(fn, lambda obj: type(obj) is dict, stop=(torch.nn.Module,))}
+    for module in modules:
+        for sub in module.modules():
+            for value in module_dicts(sub):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+# A module's own tables, which real_writes.ModuleAttributesKept keeps.
+_MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+def module_dicts(module: torch.nn.Module) -> list[dict[Any, Any]]:
+    """The dicts ``module`` holds as attributes, besides its own tables."""
+    attributes = getattr(module, "__dict__", None)
+    if type(attributes) is not dict:
+        return []
+    return [v for k, v in attributes.items() if type(v) is dict and k not in _MODULE_TABLES]
+
+
+def parametrize_cache() -> dict[Any, Any] | None:
+    # torch.nn.utils.parametrize.cached() fills this module-level dict.
+    from torch.nn.utils import parametrize
+
+    cache = getattr(parametrize, "_cache", None)
+    return cache if type(cache) is dict else None
