@@ -11,6 +11,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+_OWN = __name__.rpartition(".")[0] + "."  # t2j_ad's own objects are not the user's
 # The most entries of a dict, list or tuple looked into, and how many steps.
 _CONTAINER_ENTRIES = 64
 _DEPTH = 2
@@ -52,7 +53,13 @@ def reachable(fn: Callable[..., Any], wanted: Callable[[Any], bool], stop: tuple
             defaults = (*(code_of.__defaults__ or ()), *(code_of.__kwdefaults__ or {}).values())
             for value in (*names.nonlocals.values(), *names.globals.values(), *defaults):
                 visit(value, depth + 1)
-        elif depth and not callable(obj) and type(getattr(obj, "__dict__", None)) is dict:
+        elif (
+            depth
+            and not callable(obj)
+            and not isinstance(obj, types.ModuleType)
+            and type(getattr(obj, "__dict__", None)) is dict
+            and not type(obj).__module__.startswith(_OWN)  # jaxify_module's own state, say
+        ):
             visit(obj.__dict__, depth + 1)  # a plain object's attributes
 
     visit(fn, 0)

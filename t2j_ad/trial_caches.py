@@ -82,9 +82,13 @@ class CachesKept:
 def dicts_named_by(fn: Callable[..., Any], modules: Iterable[torch.nn.Module] = ()) -> list[dict[Any, Any]]:
     """The dicts ``fn`` can reach: those its code names from its closure or
     globals (or a ``functools.partial``'s arguments, or a bound method's
-    ``self`` holds), and those the ``modules`` and their submodules hold as
-    attributes."""
+    ``self`` or a plain object it names holds), the dicts those hold, and
+    those the ``modules`` and their submodules hold as attributes."""
     found = {id(d): d for d in reachable(fn, lambda obj: type(obj) is dict, stop=(torch.nn.Module,))}
+    for d in list(found.values()):  # holder.cache[n] = ... in an object the code names
+        for value in d.values() if len(d) <= _ENTRIES else ():
+            if type(value) is dict:
+                found.setdefault(id(value), value)
     for module in modules:
         for sub in module.modules():
             for value in module_dicts(sub):

@@ -369,3 +369,29 @@ def test_kept_state_updated_by_foreach_or_through_data_is_written_once_per_value
     assert ema.tolist() == [2.0, 2.0]
     np.testing.assert_allclose(value, 4.0)
     np.testing.assert_allclose(grad, [2.0, 2.0])
+
+
+class _TableHolder:
+    """A plain object holding a cache, as a helper class might."""
+
+    def __init__(self):
+        self.cache = {}
+
+    def table(self, n, dtype):
+        if n not in self.cache:
+            self.cache[n] = torch.linspace(0.5, 1.5, n, dtype=dtype)
+        return self.cache[n]
+
+
+_HOLDER = _TableHolder()
+
+
+def test_a_cache_in_a_plain_object_the_function_names_keeps_no_meta_tensor():
+    _HOLDER.cache.clear()
+
+    def f(x):
+        return x * _HOLDER.table(x.shape[-1], x.dtype)
+
+    x = jnp.array([1.0, 2.0, 3.0])
+    np.testing.assert_allclose(t2j_ad.jaxify(f)(x), [0.5, 2.0, 4.5])
+    assert all(t.device.type == "cpu" for t in _HOLDER.cache.values())
