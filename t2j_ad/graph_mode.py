@@ -55,11 +55,13 @@ gone from the graph: what is left is the aten ops they issued.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -156,6 +158,25 @@ def keep_fake_cuda_guard_alive() -> None:
         _guard_kept = True
 
 
+# PyTorch's fake-tensor module logs, at ERROR level with a traceback, a meta
+# kernel that raised (an in-place add_ whose shapes a torch.vmap batched, in a
+# GRU's per-example gradient): some 18 lines for a trace that then fails and
+# runs eagerly, which the FallbackWarning already says, with the reason.
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+@contextlib.contextmanager
+def _fake_tensor_log_quiet() -> Iterator[None]:
+    """Within the block (a trace: one at a time, NOTE [one trial run at a
+    time]), the fake-tensor log says nothing below CRITICAL."""
+    level = _FAKE_TENSOR_LOG.level
+    _FAKE_TENSOR_LOG.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        _FAKE_TENSOR_LOG.setLevel(level)
+
+
 def trace(
     fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool, dicts: Sequence[dict[Any, Any]] = ()
 ) -> torch.fx.GraphModule:
@@ -187,7 +208,8 @@ def trace(
     dispatch_cache = FakeTensorMode.cache
     before = set(dispatch_cache)
     try:
-        graph = contextvars.copy_context().run(run)
+        with _fake_tensor_log_quiet():
+            graph = contextvars.copy_context().run(run)
     finally:
         for key in [k for k in dispatch_cache if k not in before]:
             dispatch_cache.pop(key, None)

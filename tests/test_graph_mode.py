@@ -1190,3 +1190,23 @@ def test_forward_mode_in_graph_mode_keeps_zero_tangents_zero_at_inf_and_nan(x64)
         np.testing.assert_array_equal(jax.jvp(f, (x,), (t,))[1], expected)
         g = t2j_ad.jaxify(lambda x: (x * w).sum() * torch.ones(2, dtype=x.dtype), compile=mode)
         np.testing.assert_array_equal(jax.jacfwd(g)(jnp.array([jnp.nan, 1.0, 2.0])), [[1.0, 2.0, 3.0]] * 2)
+
+
+def test_a_failed_trace_leaves_no_fake_tensor_error_log(capfd, caplog):
+    """A GRU's per-example gradient fails its trace (a meta kernel refuses a
+    batched in-place add_) and runs eagerly, which the FallbackWarning says;
+    PyTorch's fake-tensor log also printed some 18 ERROR lines."""
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(3, 4, batch_first=True)
+    apply, params = t2j_ad.jaxify_module(gru, compile="graph")
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 3)), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        grads = jax.vmap(jax.grad(lambda p, xi: apply(p, xi[None])[0].sum()), in_axes=(None, 0))(params, x)
+    assert "failed while attempting to run meta" not in capfd.readouterr().err
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses.fake_tensor")]
+    weights = {k: v.detach() for k, v in gru.named_parameters()}
+    grad = torch.func.grad(lambda p, xi: torch.func.functional_call(gru, p, (xi[None],))[0].sum())
+    rows = [grad(weights, xi) for xi in torch.from_numpy(np.asarray(x))]  # torch.vmap refuses a GRU too
+    expected = {k: jnp.asarray(torch.stack([r[k] for r in rows]).numpy()) for k in weights}
+    assert_tree_allclose(grads, expected, rtol=1e-5, atol=1e-6)
