@@ -219,6 +219,7 @@ class JaxifiedFunction:
         # Their training flags count too (NOTE [a graph per training mode]).
         modules = referenced_modules(self.torch_fn)
         dicts = dicts_named_by(self.torch_fn, modules)  # NOTE [trial runs leave caches as they found them]
+        in_names = _input_names(in_tree, len(in_avals))
         if self.output_shapes is not None:
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(self.output_shapes)
             declared = []
@@ -249,9 +250,7 @@ class JaxifiedFunction:
                 if err.mutated is None:
                     raise
                 where = " (seen while inferring its output shapes)"
-                raise InputMutationError(
-                    mutation_message(self.name, err.mutated, _input_names(in_tree, len(in_avals)), where)
-                ) from None
+                raise InputMutationError(mutation_message(self.name, err.mutated, in_names, where)) from None
             inferred_on = inferred.device
             effects = inferred.effects
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred.outputs, is_leaf=_is_output_leaf)
@@ -307,7 +306,7 @@ class JaxifiedFunction:
         )
         base.referenced_modules = modules  # type: ignore[attr-defined]
         base.referenced_dicts = dicts  # type: ignore[attr-defined]
-        base.in_names = _input_names(in_tree, len(in_avals))  # type: ignore[attr-defined]
+        base.in_names = in_names  # type: ignore[attr-defined]
         return _Signature(base, out_tree)
 
     def _batch_in_dims(

@@ -14,12 +14,12 @@ read per recorded module per call, and nothing for functions that call no
 module. A module whose method the function calls directly (``jaxify(
 model.forward)``, ``model.encode(x)`` reading ``self.training``) runs no
 hook, so the modules the function refers to (a bound method's ``self``, the
-modules its code names from its closure or globals, and those of a
-``functools.partial``, and the modules of a dict, list or tuple it names:
-``referenced_modules``) are recorded too, each with its submodules (a method
-may read ``self.head.training``), with their flags when the trace starts. Other Python state a function reads (a global
-number, an attribute of its own) is read once per trace, as under
-``jax.jit``.
+modules its code names from its closure, globals or default arguments,
+those of a ``functools.partial``, and those in a dict, list, tuple or plain
+object it names: ``referenced_modules``) are recorded too, each with its
+submodules (a method may read ``self.head.training``), with their flags when
+the trace starts. Other Python state a function reads (a global number, an
+attribute of its own) is read once per trace, as under ``jax.jit``.
 """
 
 from __future__ import annotations

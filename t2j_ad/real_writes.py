@@ -54,8 +54,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # private: see the NOTE
 
 from .random_state import random_state_kept
-from .state_writes import StateWrites, bound_by_a_replay
-from .trial_caches import CachesKept, parametrize_cache
+from .state_writes import StateWrites, bound_by_a_replay, memory_of
+from .trial_caches import CachesKept, changed_entries, parametrize_cache, put_back
 
 
 _aten = torch.ops.aten
@@ -175,23 +175,6 @@ class RealWritesUndone(TorchDispatchMode):
         return result
 
 
-_ABSENT = object()
-
-
-def _memory_of(tensor: torch.Tensor) -> tuple[Any, ...] | None:
-    """Where a dense tensor's elements are (its storage, as PyTorch's own
-    storage object, which a meta tensor has too; offset, shape, strides,
-    dtype): the same for ``.data`` and ``.detach()`` of it. None for a
-    sparse tensor, a subclass, or a functorch wrapper (no storage of its own)."""
-    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
-        return None
-    try:
-        storage = tensor.untyped_storage()._cdata
-    except (NotImplementedError, RuntimeError):  # a functorch wrapper, or a tensor without storage
-        return None
-    return ("at", storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-
-
 def _attribute_tables(module: torch.nn.Module) -> tuple[dict[str, Any], ...]:
     return (module._parameters, module._buffers, module.__dict__)
 
@@ -239,7 +222,7 @@ class ModuleAttributesKept:
                         for name, value in table.items():
                             if isinstance(value, torch.Tensor):
                                 owners.setdefault(id(value), (sub, name))
-                                at = _memory_of(value)
+                                at = memory_of(value)
                                 if at is not None:
                                     owners.setdefault(at, (sub, name))
         self._open.append((module, noted, owners))
@@ -256,16 +239,12 @@ class ModuleAttributesKept:
         for module, before in noted.values():
             self._noted.discard(id(module))
             for table, saved in zip(_attribute_tables(module), before):
-                for name in [*saved, *(n for n in table.keys() if n not in saved)]:
-                    old, new = saved.get(name, _ABSENT), table.get(name, _ABSENT)
-                    if old is new or not (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):
+                for name, old, new in changed_entries(table, saved):
+                    if not (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):
                         continue
                     if bound_by_a_replay(module, name):
                         continue  # the replay binds it back itself (NOTE [derivatives do not write again])
-                    if old is _ABSENT:
-                        del table[name]
-                    else:
-                        table[name] = old
+                    put_back(table, name, old)
                     self.rebound.append(f"{type(module).__name__}.{name}")
                     if isinstance(old, torch.Tensor):
                         self.rebound_state.append((module, name, old))
@@ -274,7 +253,7 @@ class ModuleAttributesKept:
         """The module (of those noted now) and name ``tensor`` is bound to, if
         any: the tensor itself, or another over the same memory, as
         ``.data`` and ``.detach()`` make (``self.ema.data.mul_(0.5)``)."""
-        at = _memory_of(tensor)
+        at = memory_of(tensor)
         for _, _, owners in self._open:
             owner = owners.get(id(tensor))
             if owner is None and at is not None:

@@ -509,7 +509,8 @@ class _Runner:
                     f"{aval.shape} was expected, as {self._expected_because()}."
                 )
         for name, r, declared in zip(self.out_names, results, self.dtypes):
-            if declared is not None and r.dtype != declared and not (self.transforms and _cast_on_copy(r.dtype, declared)):
+            cast = self.transforms and _cast_on_copy(r.dtype, declared)
+            if declared is not None and r.dtype != declared and not cast:
                 raise TorchCallError(
                     f"{self.name}: {name} has dtype {jax_dtype(r.dtype)}, "
                     f"but {jax_dtype(declared)} was expected, as {self._expected_because()}."

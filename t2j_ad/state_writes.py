@@ -91,24 +91,29 @@ class StateWrites:
         return self._slot_ids() == other._slot_ids()
 
     def _slot_ids(self) -> tuple[list[Any], list[tuple[int, str]]]:
-        return [_memory_key(t) for t in self.closed_over], [(id(m), n) for m, n in self.in_modules]
+        # By memory: .data of a tensor kept is a new object on every run.
+        tensors = [memory_of(t) or id(t) for t in self.closed_over]
+        return tensors, [(id(m), n) for m, n in self.in_modules]
 
     def slot_bytes(self) -> list[int]:
         """The size of each slot's value, in bytes."""
         return [math.prod(shape) * dtype.itemsize for shape, dtype in self.layouts]
 
 
-def _memory_key(tensor: torch.Tensor) -> Any:
-    """Where ``tensor``'s values are: a written tensor reached through
-    ``.data`` or ``.detach()`` is a new object on every run, on the same
-    memory (an EMA updated through ``ema.data``)."""
+def memory_of(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """Where a dense tensor's elements are (its storage, as PyTorch's own
+    storage object, which a meta tensor has too; offset, shape, strides,
+    dtype): the same for ``.data`` and ``.detach()`` of it, new objects on
+    every run over the same memory (an EMA updated through ``ema.data``).
+    None for a sparse tensor, a subclass, or a functorch wrapper (no storage
+    of its own)."""
     if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
-        return id(tensor)
+        return None
     try:
-        storage = tensor.untyped_storage().data_ptr()
-    except (NotImplementedError, RuntimeError):  # no storage of its own
-        return id(tensor)
-    return (storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        storage = tensor.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):  # a functorch wrapper, or a tensor without storage
+        return None
+    return ("at", storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
 
 
 NO_WRITES = StateWrites((), (), ())

@@ -28,7 +28,27 @@ import torch
 
 from .references import reachable
 
-_ABSENT = object()
+ABSENT = object()  # an entry a table did not, or does not, have
+
+
+def changed_entries(table: Any, saved: dict[Any, Any]) -> list[tuple[Any, Any, Any]]:
+    """``(key, value then, value now)`` of each entry of ``table`` (a dict,
+    or a module's table) that is not what ``saved``, a copy made before,
+    holds; ``ABSENT`` for a value it did not, or does not, have."""
+    changed = []
+    for key in [*saved, *(k for k in table.keys() if k not in saved)]:
+        old, new = saved.get(key, ABSENT), table.get(key, ABSENT)
+        if old is not new:
+            changed.append((key, old, new))
+    return changed
+
+
+def put_back(table: Any, key: Any, old: Any) -> None:
+    """Give ``table[key]`` its value ``old`` again (none, for ``ABSENT``)."""
+    if old is ABSENT:
+        del table[key]
+    else:
+        table[key] = old
 
 # The most entries of a container holds_tensor looks into, and how deep.
 _ENTRIES = 64
@@ -68,14 +88,9 @@ class CachesKept:
 
     def take_back(self) -> None:
         for d, saved in self._saved.values():
-            for key in [*d.keys(), *(k for k in saved if k not in d)]:
-                old, new = saved.get(key, _ABSENT), d.get(key, _ABSENT)
-                if old is new or not (holds_tensor(new) or holds_tensor(old)):
-                    continue
-                if old is _ABSENT:
-                    del d[key]
-                else:
-                    d[key] = old
+            for key, old, new in changed_entries(d, saved):
+                if holds_tensor(new) or holds_tensor(old):
+                    put_back(d, key, old)
         self._saved.clear()
 
 
