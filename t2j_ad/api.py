@@ -36,6 +36,19 @@ def _is_output_leaf(x: Any) -> bool:
     return x is None or isinstance(x, torch.Tensor)
 
 
+def _tuples_made_plain(out: Any) -> Any:
+    """``out`` with every tuple subclass in it (a namedtuple, ``torch.max``'s
+    ``return_types``) made a plain tuple, through tuples, lists and dicts:
+    where ``output_shapes`` declares a tuple, a tuple subclass is one."""
+    if isinstance(out, tuple):
+        return tuple(_tuples_made_plain(o) for o in out)
+    if type(out) is list:
+        return [_tuples_made_plain(o) for o in out]
+    if type(out) is dict:
+        return {k: _tuples_made_plain(v) for k, v in out.items()}
+    return out
+
+
 def _arg_name(path: tuple[Any, ...]) -> str:
     """``args[0]['w']`` / ``kwargs['lr']`` for a path into ``(args, kwargs)``."""
     head, rest = path[0], path[1:]
@@ -197,6 +210,8 @@ class JaxifiedFunction:
                     return out
             with_paths, tree = jax.tree_util.tree_flatten_with_path(out, is_leaf=_is_output_leaf)
             expected = flat.out_tree
+            if expected is not None and tree != expected:
+                with_paths, tree = jax.tree_util.tree_flatten_with_path(_tuples_made_plain(out), is_leaf=_is_output_leaf)
             if expected is not None and tree != expected:
                 raise TorchCallError(
                     f"{name} returned {tree.num_leaves} outputs (structure {tree}); expected {expected.num_leaves} "

@@ -98,8 +98,10 @@ def _run(
         inputs = [make(a.shape, dtype=torch_dtype(a.dtype), device=device) for a in avals]
         versions = [t._version for t in inputs]
         # NOTE [trial runs do not write to real tensors]
-        # Grad mode on, as the call it infers for runs (NOTE [calls run with grad mode on]).
-        with torch.enable_grad(), recording_module_modes(modules) as modes, trial_run(dicts) as run, RandomOpsSeen() as random_ops:
+        # Grad mode on and autocast off, as the call it infers for runs (NOTE
+        # [calls run with grad mode on], NOTE [calls run without the caller's
+        # autocast] in runtime.py).
+        with torch.enable_grad(), torch._C._DisableAutocast(), recording_module_modes(modules) as modes, trial_run(dicts) as run, RandomOpsSeen() as random_ops:
             with LayoutDependentDraws() as layouts:
                 outputs = fn(*inputs)
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]

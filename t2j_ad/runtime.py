@@ -33,6 +33,7 @@ from .replayed_calls import (
 )
 from .rules.fallbacks import warn_once
 from .torch_fn import Jvp, TorchFn, Vmap
+from .trace_refusals import own_generator_reason
 from .transforms import Flat, build
 
 
@@ -166,6 +167,8 @@ _Tensor = torch.Tensor
 _get_num_threads = torch.get_num_threads
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
+_no_autocast = torch._C._DisableAutocast
 
 
 def _cast_on_copy(result: torch.dtype, buffer: torch.dtype) -> bool:
@@ -211,6 +214,16 @@ class _Runner:
         # linalg.solve came out half its value). A replayed graph holds every
         # derivative explicitly and runs without (_first_compiled_call).
         self.grad_enabled = True
+        # NOTE [calls run without the caller's autocast]
+        # A torch.autocast region the caller of a JAX function is in is no
+        # part of that function: under jax.jit, XLA may run the call later or
+        # on a thread of its own, outside the region, and the signature cache
+        # and the meta-device inference of jaxify_module never saw it, so an
+        # outer region made a Linear return bfloat16 where float32 had been
+        # inferred (refused as a meta-kernel bug) and a graph traced inside one
+        # kept computing in bfloat16 after it. Every call, trial run and trace
+        # runs with autocast off (one C check per call, 0.2 us); torch.autocast
+        # inside the function applies as in PyTorch.
         # What each call runs: the user's function itself for a plain eager
         # call that takes the flat tensors positionally (one frame fewer than
         # ``impl``; see BaseFn.direct), returning one tensor if
@@ -231,10 +244,12 @@ class _Runner:
         )
         self.n_out = len(fun.out_avals)
         self.shapes = tuple(torch.Size(a.shape) for a in fun.out_avals)
-        # Plain calls must return exactly the declared dtypes; derived ones
-        # those of XLA's buffers, or with jax_enable_x64 off the 64-bit kind
-        # of one, cast on copy (NOTE [64-bit outputs] in api.py): a batched
-        # call of a function declared int32 that returns floats was cast.
+        # Calls must return exactly the dtypes inferred or declared (derived
+        # ones those of XLA's buffers), or with jax_enable_x64 off the 64-bit
+        # kind of one, cast on copy (NOTE [64-bit outputs] in api.py): a
+        # batched call of a function declared int32 that returns floats was
+        # cast; output_shapes declaring the float32 that f(x) shows for a
+        # float64 result was refused, though JAX has no float64 in that mode.
         self.dtypes = (
             tuple(torch_dtype(a.dtype) for a in fun.out_avals) if fun.transforms else fun.base.torch_out_dtypes
         )
@@ -284,6 +299,11 @@ class _Runner:
             inputs = inputs[: self.n_in]
         if trial_running.depth:
             with outside_trial_runs():  # a call is no part of the run around it
+                self(inputs, outputs, stream)
+            return
+        if _any_autocast():
+            # NOTE [calls run without the caller's autocast]
+            with _no_autocast():
                 self(inputs, outputs, stream)
             return
         if stream:
@@ -509,7 +529,7 @@ class _Runner:
                     f"{aval.shape} was expected, as {self._expected_because()}."
                 )
         for name, r, declared in zip(self.out_names, results, self.dtypes):
-            cast = self.transforms and _cast_on_copy(r.dtype, declared)
+            cast = _cast_on_copy(r.dtype, declared)
             if declared is not None and r.dtype != declared and not cast:
                 raise TorchCallError(
                     f"{self.name}: {name} has dtype {jax_dtype(r.dtype)}, "
@@ -621,6 +641,20 @@ class _RunnerWithEffects(_Runner):
                 f"value's draws by setting PyTorch's generator, which a graph cannot do between examples. "
                 f"Results are exact; only speed differs. Pass the randomness in as an input (a dropout mask) to "
                 f"keep the graph.",
+            )
+            return "eager"
+        if mode != "eager" and getattr(fun.base, "effects_root", None) is not None and fun.base.effects.given_draws:
+            # Every call of it, not only the plain one whose trace refuses the
+            # draw: a derivative's trace failed first on the generator states
+            # it replays, and its warning gave that internal error instead.
+            reason = own_generator_reason("generator=")
+            graph_mode.record_eager(fun.base, fun.transforms, reason)
+            root = fun.base.effects_root
+            warn_once(
+                root,
+                ("own generator", mode),
+                f"t2j_ad: compile={mode!r} runs {root.name!r} and its derivatives eagerly: {reason}. "
+                f"Results are the same; only speed differs. Pass compile='eager' to silence this.",
             )
             return "eager"
         return mode

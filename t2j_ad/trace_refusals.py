@@ -215,14 +215,20 @@ class _RandomDrawChecker(TorchDispatchMode):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded in func.tags:
             if any(isinstance(a, torch.Generator) for a in pytree.tree_leaves((args, kwargs))):
-                raise NotTraceable(
-                    f"it draws from a torch.Generator of its own ({func}, generator=), which the graph would "
-                    f"hold as the trace left it and advance from replay to replay; draw from PyTorch's global "
-                    f"generator (seeded outside the function) to keep the graph"
-                )
+                raise NotTraceable(own_generator_reason(f"{func}, generator="))
             if self.seeds.reseeded():
                 raise _reseeding()
         return func(*args, **kwargs)
+
+
+def own_generator_reason(draw: str) -> str:
+    """Why a function that draws from a generator it was given (``draw``
+    names the op) runs eagerly in graph mode."""
+    return (
+        f"it draws from a torch.Generator of its own ({draw}), which the graph would hold as the trace left "
+        f"it and advance from replay to replay; draw from PyTorch's global generator (seeded outside the "
+        f"function) to keep the graph"
+    )
 
 
 def _reseeding() -> NotTraceable:

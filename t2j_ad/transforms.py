@@ -42,6 +42,18 @@ def _conj_where(tensors: Sequence[torch.Tensor], avals: Sequence[Aval]) -> tuple
     return tuple(t.conj() if a.is_complex else t for t, a in zip(tensors, avals))
 
 
+def _dense(grads: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """``grads`` as dense tensors: PyTorch's reverse pass makes sparse
+    gradients of its own (``Embedding(sparse=True)``'s weight), while the
+    JAX cotangent of a dense input is dense."""
+    if all(g.layout is _strided for g in grads):
+        return grads
+    return tuple(g if g.layout is _strided else g.to_dense() for g in grads)
+
+
+_strided = torch.strided
+
+
 def _make_jvp(t: Jvp, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], base: Any, prefix: Any) -> Flat:
     n = len(ins)
     over_reverse = any(isinstance(p, Vjp) for p in prefix[:-1])
@@ -87,7 +99,7 @@ def _make_vjp(t: Vjp, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], ba
             return tuple(o if o.dtype == c.dtype else o.to(c.dtype) for o, c in zip(outs, cotangents))
 
         grads = reverse_mode(matched, wrt_primals, cotangents, base=base, key=prefix)
-        return _conj_where(grads, wrt_avals)
+        return _conj_where(_dense(grads), wrt_avals)
 
     return vjp_fn
 

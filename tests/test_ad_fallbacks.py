@@ -607,3 +607,27 @@ def test_no_forward_formula_of_a_sparse_constructor_stays_an_error(x64):
     np.testing.assert_allclose(jax.grad(jf)(x), jax.grad(lambda x: (x[0] ** 2 + 4 * x[2] ** 2) * x[3])(x))
     with pytest.raises(Exception, match="Trying to use forward AD with _sparse_coo_tensor"):
         jax.jacfwd(jf)(x)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_forward_ad_used_inside_the_function_gets_forward_mode_by_double_vjp(mode, x64):
+    """torch.autograd.forward_ad inside the function (a tangent computed by
+    PyTorch's own dual numbers): jax.jacfwd and jax.hessian failed with
+    "Nested forward mode AD is not supported", as torch.func.jacfwd does,
+    though reverse over reverse works."""
+    import torch.autograd.forward_ad as forward_ad
+
+    def f(x):
+        with forward_ad.dual_level():
+            value, tangent = forward_ad.unpack_dual(torch.sin(forward_ad.make_dual(x, torch.ones_like(x))))
+        return (tangent * value).sum()
+
+    def reference(x):
+        return (jnp.cos(x) * jnp.sin(x)).sum()
+
+    x = jnp.array([0.3, -1.2, 2.0])
+    jf = t2j_ad.jaxify(f, compile=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", t2j_ad.FallbackWarning)
+        np.testing.assert_allclose(jax.jacfwd(jf)(x), jax.grad(reference)(x), rtol=1e-12)
+        np.testing.assert_allclose(jax.hessian(jf)(x), jax.hessian(reference)(x), rtol=1e-12, atol=1e-14)

@@ -373,6 +373,36 @@ def test_a_plain_call_sees_grad_mode_on_as_its_value_and_grad_does():
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_call_made_inside_the_callers_autocast_region_runs_without_it(mode):
+    """NOTE [calls run without the caller's autocast]: jaxify_module of a
+    Linear called inside torch.autocast was refused (bfloat16 returned,
+    float32 inferred on the meta device, blamed on a meta kernel), and a graph
+    traced inside the region kept computing in bfloat16 after it. An autocast
+    region inside the function still applies."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 2).to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(lin, compile=mode)
+    f = t2j_ad.jaxify(lambda x: lin(x), compile=mode)
+
+    def inner_autocast(x):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            return lin(x)
+
+    g = t2j_ad.jaxify(inner_autocast, compile=mode)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4)), jnp.float32)
+    with torch.no_grad():
+        exact = to_numpy(lin(to_torch(x)))
+        low = inner_autocast(to_torch(x))
+    with torch.autocast(TORCH_DEVICE.type, dtype=torch.bfloat16):
+        results = [apply(params, x), f(x), jax.jit(f)(x)]
+    for result in [*results, apply(params, x), f(x)]:
+        assert result.dtype == jnp.float32
+        np.testing.assert_allclose(result, exact, rtol=1e-6, atol=1e-6)
+    assert g(x).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(g(x), np.float32), to_numpy(low.float()))
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_torch_autograd_grad_inside_the_function_matches_torch_func(mode, x64):
     """A gradient penalty: torch.autograd.grad inside the function failed
     ("does not require grad") while plain calls and inference ran under no_grad."""
@@ -457,6 +487,45 @@ def test_a_batched_64_bit_result_is_still_cast_with_x64_off():
     assert out.dtype == jnp.float32
     np.testing.assert_allclose(out, 2 * np.ones((3, 2)))
     np.testing.assert_allclose(grad, [2.0, 2.0])
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_with_x64_off_output_shapes_may_declare_the_32_bit_dtype_of_a_64_bit_result(mode):
+    """With jax_enable_x64 off a float64 result comes back float32; declaring
+    that float32 (what f(x).dtype shows) was refused ("has dtype float64, but
+    float32 was expected"), though no float64 array exists in that mode."""
+    with jax.enable_x64(False):
+        x = jnp.arange(3.0)
+        f = t2j_ad.jaxify(lambda x: x.double() * 2, output_shapes=jax.ShapeDtypeStruct((3,), jnp.float32), compile=mode)
+        g = t2j_ad.jaxify(lambda x: x.long() + 1, output_shapes=jax.ShapeDtypeStruct((3,), jnp.int32), compile=mode)
+        for out in (f(x), jax.jit(f)(x)):
+            assert out.dtype == jnp.float32
+            np.testing.assert_allclose(out, [0.0, 2.0, 4.0])
+        np.testing.assert_allclose(jax.grad(lambda x: f(x).sum())(x), [2.0, 2.0, 2.0])
+        np.testing.assert_array_equal(g(x), np.array([1, 2, 3], np.int32))
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_tuple_subclass_is_a_tuple_where_output_shapes_declares_one(mode, x64):
+    """A namedtuple or torch.max's return type, declared as a plain tuple: a
+    plain eager call accepted it, while derived calls and graph mode refused
+    the same function ("returned 2 outputs (structure CustomNode(...))")."""
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "double plus_one")
+    S = jax.ShapeDtypeStruct
+    x = jnp.array([[3.0, 1.0, 2.0], [0.5, 4.0, -1.0]])
+    f = t2j_ad.jaxify(lambda x: Pair(x * 2, [x + 1]), output_shapes=(S((2, 3), x.dtype), [S((2, 3), x.dtype)]), compile=mode)
+    top = t2j_ad.jaxify(lambda x: torch.max(x, 0), output_shapes=(S((3,), x.dtype), S((3,), jnp.int64)), compile=mode)
+    doubled, (plus_one,) = f(x)
+    np.testing.assert_allclose(doubled, 2 * x)
+    np.testing.assert_allclose(plus_one, x + 1)
+    np.testing.assert_allclose(jax.grad(lambda x: (f(x)[0] * f(x)[1][0]).sum())(x), 4 * x + 2)
+    np.testing.assert_allclose(jax.vmap(f)(jnp.stack([x, -x]))[0], jnp.stack([2 * x, -2 * x]))
+    values, indices = top(x)
+    np.testing.assert_allclose(values, x.max(0))
+    np.testing.assert_array_equal(indices, x.argmax(0))
+    np.testing.assert_allclose(jax.grad(lambda x: top(x)[0].sum())(x), jax.grad(lambda x: x.max(0).sum())(x))
 
 
 @pytest.mark.parametrize(

@@ -414,6 +414,30 @@ def test_a_function_that_sets_the_random_state_runs_eagerly(fn, why, mode):
     assert len(fallbacks) == 1 and why in fallbacks[0], fallbacks
 
 
+_KEPT_GENERATOR = torch.Generator().manual_seed(0)
+
+
+def test_the_derivatives_of_a_function_drawing_from_a_kept_generator_give_that_reason():
+    """The gradient of a function drawing from a generator it keeps warned
+    with an internal error of its failed trace ("data is not allocated yet")
+    instead of the reason its plain call gives."""
+
+    def noisy(p):
+        return (p * torch.randn(3, generator=_KEPT_GENERATOR)).pow(2).sum()
+
+    f = t2j_ad.jaxify(noisy, compile="graph")
+    x = jnp.ones(3)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _KEPT_GENERATOR.manual_seed(0)
+        grad = jax.grad(f)(x)
+    _KEPT_GENERATOR.manual_seed(0)
+    noise = torch.randn(3, generator=_KEPT_GENERATOR)
+    np.testing.assert_allclose(grad, to_numpy(2 * noise**2), rtol=1e-6)
+    fallbacks = _compile_warnings(record)
+    assert fallbacks and all("torch.Generator of its own" in w for w in fallbacks), fallbacks
+
+
 def _noisy(x):
     return x + torch.rand_like(x)
 

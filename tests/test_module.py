@@ -363,3 +363,25 @@ def test_a_lazy_module_not_yet_run_is_refused_with_the_fix():
     net(torch.ones(2, 4))  # as the message says
     f = t2j_ad.jaxify(lambda x: net(x))
     np.testing.assert_allclose(f(jnp.ones((2, 4))), net(torch.ones(2, 4)).detach().numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("cls", ["Embedding", "EmbeddingBag"])
+def test_sparse_embedding_gradients_come_back_dense(cls, mode, x64):
+    """PyTorch's reverse pass gives ``sparse=True`` embeddings a sparse COO
+    weight gradient, which t2j_ad refused as if the user had returned it
+    ("call .to_dense() on it"); the JAX cotangent of the dense weight is the
+    dense gradient."""
+    torch.manual_seed(0)
+    layer = getattr(nn, cls)(5, 3, sparse=True).double().to(TORCH_DEVICE)
+    idx = np.array([[0, 2, 1], [3, 0, 0]])
+    apply, params = t2j_ad.jaxify_module(layer, compile=mode)
+
+    def loss(p, i):
+        return (apply(p, i) ** 2).sum()
+
+    own = {"weight": layer.weight.detach()}
+    expected = torch.func.grad(lambda p: (torch.func.functional_call(layer, p, (to_torch(idx),)) ** 2).sum())(own)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(params, idx)["weight"], to_numpy(expected["weight"].to_dense()))
+    per_example = jax.vmap(jax.grad(lambda p, i: loss(p, i[None])), in_axes=(None, 0))(params, idx)["weight"]
+    np.testing.assert_allclose(per_example.sum(0), to_numpy(expected["weight"].to_dense()), rtol=1e-12)

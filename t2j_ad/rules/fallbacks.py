@@ -86,6 +86,9 @@ _FORWARD_REFUSALS = {
     # An op with a backward but no forward-mode formula (grid_sample): jacfwd
     # and jax.hessian (forward over reverse) failed where jacrev worked.
     _NO_FORWARD_FORMULA: " (PyTorch has no forward-mode formula for an op here.)",
+    # torch.autograd.forward_ad inside the function: PyTorch has one level
+    # of forward AD, which torch.func.jvp holds; reverse mode leaves it free.
+    "Nested forward mode AD is not supported": " (The function uses torch.autograd.forward_ad itself.)",
 }
 # Reverse-mode refusals -> the advice the fallback warning adds.
 _FUNCTORCH_REFUSALS = {
