@@ -12,4 +12,17 @@ from .runtime import InputMutationError as InputMutationError
 from .runtime import TorchCallError as TorchCallError
 from .runtime import set_torch_threads as set_torch_threads
 
+__all__ = [
+    "ArrayConversionError",
+    "FallbackWarning",
+    "InputMutationError",
+    "JaxifiedFunction",
+    "TorchCallError",
+    "clear_caches",
+    "jaxify",
+    "jaxify_module",
+    "set_torch_threads",
+    "tree_j2t",
+    "tree_t2j",
+]
 __version__ = "0.1.0"

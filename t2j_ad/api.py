@@ -138,8 +138,11 @@ class JaxifiedFunction:
     signature (tree structure, shapes, dtypes) up in a per-function cache,
     inferring the outputs on a miss, and binds one ``torch_call``.
 
-    ``autograd_vjp=True`` computes reverse mode with ``torch.autograd.grad``
-    instead of trying ``torch.func.vjp`` first (see NOTE [fallbacks]).
+    Make one with ``jaxify``; the constructor's one keyword of its own,
+    ``autograd_vjp=True``, is what ``t2j_ad.compat``'s
+    ``torch2jax_with_vjp(use_torch_vjp=False)`` passes: reverse mode with
+    ``torch.autograd.grad`` instead of trying ``torch.func.vjp`` first (see
+    NOTE [fallbacks]).
     """
 
     def __init__(
@@ -351,7 +354,7 @@ class JaxifiedFunction:
             )
         return tuple(0 if k in mapped else None for k in range(len(in_avals)))
 
-    def signature_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Signature, list[jax.Array]]:
+    def _signature_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Signature, list[jax.Array]]:
         """The cached (or freshly inferred) signature entry, and flat arrays."""
         self._check_arity(args, kwargs)
         tree = (args, kwargs)
@@ -374,7 +377,7 @@ class JaxifiedFunction:
         return entry, arrays
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        entry, arrays = self.signature_for(args, kwargs)
+        entry, arrays = self._signature_for(args, kwargs)
         outs = torch_call(arrays, TorchFn.of(entry.base))
         return jax.tree_util.tree_unflatten(entry.out_tree, outs)
 
@@ -450,8 +453,8 @@ def jaxify(
             with one ``FallbackWarning`` when ``torch.vmap`` refuses).
         output_shapes: a pytree of ``jax.ShapeDtypeStruct`` for the outputs.
             Without it the outputs are inferred once per input signature, on
-            PyTorch's ``meta`` device (one real call on zeros if an op has no
-            meta kernel).
+            PyTorch's ``meta`` device (real calls on zeros, then on ones, if
+            an op has no meta kernel).
         batch_argnums: positions of arguments whose leading axis ``fn`` maps
             elementwise: every array in them and every output share one
             leading batch axis, and row i of each output depends only on row

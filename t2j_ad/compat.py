@@ -554,19 +554,22 @@ def torch2jax_with_vjp(
     """A differentiable JAX function calling ``torch_fn``, as torch2jax's ``torch2jax_with_vjp``.
 
     Args:
-        torch_fn, *example_args, output_shapes, vmap_method: as in ``torch2jax``.
+        torch_fn: the PyTorch function, as ``fn`` in ``torch2jax``.
+        *example_args: example arguments, as in ``torch2jax``.
         depth: accepted for compatibility and ignored: derivatives of every
             order work, in reverse and forward mode (``jax.hessian``,
             ``jax.jacfwd``) and under ``jax.vmap``.
         nondiff_argnums: indices of whole arguments whose gradients are zeros.
         nondiff_mask: a pytree like ``example_args`` of bools, True where the
             gradient is zeros. ``nondiff_argnums`` wins when both are given.
+        output_shapes: as in ``torch2jax``.
         use_zeros: accepted; gradients of non-differentiable arguments are
             zeros either way (torch2jax's ``None`` cotangents are zeros in JAX).
         use_torch_vjp: False computes reverse mode with
             ``torch.autograd.grad`` instead of ``torch.func.vjp``, for code
             ``torch.func`` refuses (old-style ``autograd.Function``).
         output_sharding_spec: the deprecated name of ``out_specs`` (warns).
+        vmap_method: as in ``torch2jax``.
         out_specs: as in ``torch2jax``: run once per shard over Explicit axes.
         use_torch_vmap: torch2jax's older switch, before ``vmap_method``:
             True is ``vmap_method="expand_dims"`` (one ``torch.vmap`` call),

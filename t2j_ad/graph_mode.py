@@ -437,6 +437,6 @@ def announce_fallback(base: Any, name: str, mode: str, transforms: tuple[Any, ..
     warn_once(
         base,
         ("compile", mode, transforms),
-        f"t2j_ad: compile={mode!r} {what} (transforms: {stack}), so it runs eagerly: {artifact.reason}. "
+        f"t2j_ad: compile={mode!r} {what} (transforms: {stack}), so it runs eagerly: {artifact.reason.rstrip('.')}. "
         f"Results are the same; only speed differs. Pass compile='eager' to silence this{advice}",
     )

@@ -1,8 +1,8 @@
 """Output shapes and dtypes of a PyTorch function, without example arguments.
 
 First on the ``meta`` device (no data, no computation); if an op has no meta
-kernel (or the code needs real data: NumPy, ``.item()``), one real call on
-zeros. Either run also refuses a function that writes into its inputs there
+kernel (or the code needs real data: NumPy, ``.item()``), a real call on
+zeros, then one on ones (NOTE [a second run, on ones]). Either way it also refuses a function that writes into its inputs there
 (a write made only for some values waits for a real call, and the first real
 call gets copies of its inputs).
 

@@ -83,6 +83,7 @@ import torch
 
 from .api import JaxifiedFunction, check_batch_argnums
 from .convert import call_device, copy_to_jax, torch_device
+from .module_modes import refuse_uninitialized
 
 
 class _BuffersByDevice:
@@ -329,6 +330,8 @@ def jaxify_module(
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"jaxify_module: module must be a torch.nn.Module, got {type(module).__name__}.")
     _check_device(device)
+    for sub in module.modules():
+        refuse_uninitialized(sub)  # before PyTorch's own error from reading its parameters
     params = {name: copy_to_jax(p, device) for name, p in module.named_parameters()}
     buffers = _BuffersByDevice(module)
     # NOTE [a module's devices]: copied now to where the parameters went.

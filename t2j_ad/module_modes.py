@@ -42,7 +42,9 @@ class UninitializedModuleError(ValueError):
     """A lazy module (``nn.LazyLinear``) first ran in a trial run."""
 
 
-def _refuse_uninitialized(module: torch.nn.Module) -> None:
+def refuse_uninitialized(module: torch.nn.Module) -> None:
+    """Raise ``UninitializedModuleError`` if ``module`` is a lazy module
+    that has not made its parameters yet."""
     if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
         # The trial run that infers shapes, or traces, puts PyTorch's
         # generators back afterwards: every lazy layer would draw the same
@@ -64,7 +66,7 @@ class _Recorder:
 
     def __call__(self, module: torch.nn.Module, args: object) -> None:
         if threading.get_ident() == self.thread and id(module) not in self.seen:
-            _refuse_uninitialized(module)
+            refuse_uninitialized(module)
             self.seen[id(module)] = (module, bool(module.training))
 
     def modes(self) -> ModuleModes:

@@ -500,7 +500,7 @@ def test_per_example_gradients_in_float64(method, x64):
 
 def test_batching_rule_with_no_batched_argument_returns_the_unbatched_call():
     f = MODEL["expand_dims"]
-    entry, arrays = f.signature_for((W, X[0]), {})
+    entry, arrays = f._signature_for((W, X[0]), {})
     fun = TorchFn.of(entry.base)
 
     def direct(w, x):

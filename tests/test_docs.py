@@ -70,13 +70,16 @@ def test_docs_site_builds_with_warnings_as_errors(tmp_path):
     pytest.importorskip("mkdocs", reason="mkdocs not installed (pinned in requirements.txt)")
     pytest.importorskip("mkdocstrings_handlers.python", reason="mkdocstrings-python not installed (requirements.txt)")
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(tmp_path / "site")],
+        # Not --quiet: it stops the warnings being logged, so strict mode
+        # never counted them and a broken site passed.
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
+    assert "WARNING" not in result.stderr, result.stderr
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert "Wrap a PyTorch function as a JAX function" in api  # the docstrings were rendered
 
@@ -85,8 +88,9 @@ def _public_names() -> set[str]:
     import t2j_ad
     import t2j_ad.compat
 
-    top = {f"t2j_ad.{n}" for n in vars(t2j_ad) if not n.startswith("_") and not isinstance(getattr(t2j_ad, n), type(sys))}
-    return top | {f"t2j_ad.compat.{n}" for n in t2j_ad.compat.__all__}
+    top = {n for n in vars(t2j_ad) if not n.startswith("_") and not isinstance(getattr(t2j_ad, n), type(sys))}
+    assert top == set(t2j_ad.__all__), "t2j_ad.__all__ must list the public names __init__.py imports"
+    return {f"t2j_ad.{n}" for n in top} | {f"t2j_ad.compat.{n}" for n in t2j_ad.compat.__all__}
 
 
 def test_api_reference_covers_every_public_name():
