@@ -22,10 +22,19 @@ from .graph_mode import resolve_compile_mode
 from . import replayed_calls
 from .inference import infer_outputs
 from .module_modes import referenced_modules
+from .module_structure import StructureSeen
 from .primitive import torch_call
 from .rules.partitioning import local_bases
 from .pytrees import flags_kept  # also: PyTorch's result tuples as pytrees (NOTE [PyTorch's result tuples])
-from .runtime import InputMutationError, TorchCallError, check_environment, mutation_message, not_a_tensor, not_dense
+from .runtime import (
+    InputMutationError,
+    TorchCallError,
+    check_environment,
+    integer_scalars_hint,
+    mutation_message,
+    not_a_tensor,
+    not_dense,
+)
 from .torch_fn import VMAP_METHODS, Aval, BaseFn, TorchFn
 from .trial_caches import dicts_named_by
 
@@ -143,6 +152,10 @@ class JaxifiedFunction:
     ``torch2jax_with_vjp(use_torch_vjp=False)`` passes: reverse mode with
     ``torch.autograd.grad`` instead of trying ``torch.func.vjp`` first (see
     NOTE [fallbacks]).
+
+    ``copy.deepcopy`` gives the function itself, as for Python functions;
+    ``pickle`` stores the PyTorch function and the options, so it pickles
+    where the PyTorch function does, and its caches start empty.
     """
 
     def __init__(
@@ -171,7 +184,7 @@ class JaxifiedFunction:
         except (TypeError, ValueError):  # builtins such as torch.sin
             self._signature = None
         self._cache: dict[Any, _Signature] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a function may call its own wrapper while inferring
         functools.update_wrapper(self, torch_fn, updated=())
         _live_functions.add(self)
 
@@ -186,7 +199,28 @@ class JaxifiedFunction:
         try:
             self._signature.bind(*args, **kwargs)
         except TypeError as err:
-            raise TypeError(f"{self.name}{self._signature}: {err}") from None
+            method = next(iter(self._signature.parameters), None) == "self"
+            hint = (
+                " (It takes self: @t2j_ad.jaxify on a method does not bind the object, as a jaxify'd "
+                "function is no method; wrap the bound method instead, t2j_ad.jaxify(obj.method), or "
+                "jaxify_module for a module's forward.)"
+                if method
+                else ""
+            )
+            raise TypeError(f"{self.name}{self._signature}: {err}{hint}") from None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> JaxifiedFunction:
+        # As copy.deepcopy does for functions (and jax.jit's wrappers): the
+        # same function; its lock and caches are no state to copy.
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as what makes it (the PyTorch function must pickle); the
+        # caches are rebuilt by the first calls.
+        return (
+            _rebuilt,
+            (self.torch_fn, self.vmap_method, self.output_shapes, self.autograd_vjp, self.batch_argnums, self.compile),
+        )
 
     def _raw_fn(self, in_tree: Any) -> Callable[..., Any]:
         torch_fn = self.torch_fn
@@ -236,6 +270,7 @@ class JaxifiedFunction:
         flat = self._flat_fn(raw)
         # Their training flags count too (NOTE [a graph per training mode]).
         modules = referenced_modules(self.torch_fn)
+        structure = StructureSeen(modules)  # before the runs below, which may register (lazy modules)
         dicts = dicts_named_by(self.torch_fn, modules)  # NOTE [trial runs leave caches as they found them]
         in_names = _input_names(in_tree, len(in_avals))
         if self.output_shapes is not None:
@@ -269,6 +304,11 @@ class JaxifiedFunction:
                     raise
                 where = " (seen while inferring its output shapes)"
                 raise InputMutationError(mutation_message(self.name, err.mutated, in_names, where)) from None
+            except TorchCallError as err:
+                hint = integer_scalars_hint(in_names, in_avals)
+                if not hint:
+                    raise
+                raise TorchCallError(f"{err}{hint}") from err
             inferred_on = inferred.device
             effects = inferred.effects
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred.outputs, is_leaf=_is_output_leaf)
@@ -323,6 +363,7 @@ class JaxifiedFunction:
             find_effects=None if effects is None else _effects_finder(raw, in_avals, self.name, call_on, modules, dicts),
         )
         base.referenced_modules = modules  # type: ignore[attr-defined]
+        base.structure = structure  # type: ignore[attr-defined]
         base.referenced_dicts = dicts  # type: ignore[attr-defined]
         base.in_names = in_names  # type: ignore[attr-defined]
         return _Signature(base, out_tree)
@@ -368,10 +409,11 @@ class JaxifiedFunction:
         # turned on later must not find the 32-bit outputs resolved before.
         key = (in_tree, in_avals, jax.config.jax_enable_x64)
         entry = self._cache.get(key)
-        if entry is None:
+        # NOTE [a submodule replaced after a call] in module_structure.py
+        if entry is None or not entry.base.structure.holds():
             with self._lock:
                 entry = self._cache.get(key)
-                if entry is None:
+                if entry is None or not entry.base.structure.holds():
                     entry = self._resolve(in_tree, in_avals, arrays)
                     self._cache[key] = entry
         return entry, arrays
@@ -385,7 +427,8 @@ class JaxifiedFunction:
         """Forget this function's inferred signatures: its next call outside a
         compiled program infers (and in graph mode traces) again. A
         ``jax.jit`` compiled before keeps the program, and the graphs, it
-        holds; ``t2j_ad.clear_caches`` forgets those too, for every function."""
+        holds; ``t2j_ad.clear_caches`` also clears JAX's caches of such
+        programs, for every function."""
         with self._lock:
             self._cache.clear()
 
@@ -405,6 +448,20 @@ class JaxifiedFunction:
             "trace_seconds": sum(a.trace_seconds for a in artifacts),
             "compile_seconds": sum(a.compile_seconds for a in artifacts),
         }
+
+
+def _rebuilt(
+    torch_fn: Callable[..., Any],
+    vmap_method: str,
+    output_shapes: Any,
+    autograd_vjp: bool,
+    batch_argnums: tuple[int, ...] | None,
+    compile: str,
+) -> JaxifiedFunction:
+    """A ``JaxifiedFunction`` unpickled (``JaxifiedFunction.__reduce__``)."""
+    return JaxifiedFunction(
+        torch_fn, vmap_method, output_shapes, autograd_vjp=autograd_vjp, batch_argnums=batch_argnums, compile=compile
+    )
 
 
 def check_batch_argnums(batch_argnums: Any) -> tuple[int, ...] | None:
@@ -486,17 +543,15 @@ def jaxify(
 
 
 def clear_caches() -> None:
-    """Forget every inferred signature, built PyTorch transform, registry entry
-    and JAX compilation cache, so memory held for past calls is released.
+    """Forget every inferred signature, built PyTorch transform and graph,
+    and JAX's compilation caches, so memory held for past calls is released.
 
     Jaxify'd functions keep working: the next call infers and compiles again.
+    A program you still hold (``jax.jit(f).lower(x).compile()``), or one
+    running on another thread, keeps what it calls and works on; its
+    registry entries go when it does (NOTE [registry lifetime] in
+    backends/registry.py).
     """
     for f in list(_live_functions):
         f.clear_cache()
-    try:
-        from .backends import registry
-    except ImportError:
-        registry = None
-    if registry is not None:
-        registry.clear()
     jax.clear_caches()

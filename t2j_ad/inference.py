@@ -32,10 +32,11 @@ does may depend on them. So it runs once more, on ones, for two things:
   the runner, but only if it runs: an output inferred empty on zeros
   (``nonzero`` of zeros has no rows) is known to XLA without running
   anything, so XLA dropped the call and every call returned that empty
-  array, silently. An output the call on zeros left empty and whose shape
-  differs on ones is refused now, naming both shapes; when the run on ones
-  fails, such a function cannot be checked and is refused too (it may pass
-  ``output_shapes=``).
+  array, silently. An output whose shape differs on ones is refused now,
+  naming both shapes (any output: a shape set by an argument's value, as
+  ``F.pad(x, (n, n))``, is refused here rather than by the first real call);
+  when the run on ones fails, a function with an output empty on zeros
+  cannot be checked and is refused too (it may pass ``output_shapes=``).
 - Effects. A draw, an in-place write or a rebinding made only for some
   values (``if (x > 0).any(): x = dropout(x)``) was not seen on zeros, so
   the function's derivatives drew a new mask and wrote the state again,
@@ -49,11 +50,13 @@ does may depend on them. So it runs once more, on ones, for two things:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .convert import torch_dtype
 from .dropout_layouts import LayoutDependentDraws
@@ -92,6 +95,7 @@ def _run(
     empty on meta), and what else it did; ``modules``: those it refers to
     (``module_modes.referenced_modules``)."""
     make = torch.empty if device == _META else make
+    seen_autocast = _RefuseAutocast() if device == _META else contextlib.nullcontext()
     # Outside torch.inference_mode, whose tensors keep no version to check
     # (NOTE [calls inside torch.inference_mode] in runtime.py).
     with torch.inference_mode(False):
@@ -102,7 +106,7 @@ def _run(
         # [calls run with grad mode on], NOTE [calls run without the caller's
         # autocast] in runtime.py).
         with torch.enable_grad(), torch._C._DisableAutocast(), recording_module_modes(modules) as modes, trial_run(dicts) as run, RandomOpsSeen() as random_ops:
-            with LayoutDependentDraws() as layouts:
+            with LayoutDependentDraws() as layouts, seen_autocast:
                 outputs = fn(*inputs)
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
     if mutated:
@@ -111,6 +115,28 @@ def _run(
         raise err
     effects = Effects(random_ops.seen, run.state_written(), modes.modes(), random_ops.seen and layouts.seen, random_ops.given)
     return outputs, effects
+
+
+class _AutocastOnMeta(Exception):
+    """A meta run met an autocast region the function entered itself."""
+
+
+class _RefuseAutocast(TorchFunctionMode):
+    """Stops a run on meta tensors at the first op inside an autocast region
+    the function enters itself (``with torch.autocast("cpu", ...)``): that
+    region casts the real device's tensors and not meta ones, so the meta
+    run would infer the uncast dtypes and every call would be refused. The
+    run on zeros, on the call's device, infers what the calls return. (The
+    caller's own region is off in trial runs: NOTE [calls run without the
+    caller's autocast] in runtime.py.)"""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if _any_autocast():
+            raise _AutocastOnMeta(f"{func} ran inside an autocast region")
+        return func(*args, **(kwargs or {}))
+
+
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 def devices_to_try(device: torch.device) -> list[torch.device]:
@@ -180,8 +206,7 @@ def _checked_on_ones(
     empty = any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in leaves)
     advice = (
         "JAX needs output shapes fixed by the input shapes and dtypes: return a fixed-size result "
-        "(torch.nonzero_static(x, size=n), or a mask and torch.where instead of x[mask]), close over a "
-        "Python number that sets a shape (functools.partial(f, n=2): as an argument it is a 0-d array), "
+        "(torch.nonzero_static(x, size=n), or a mask and torch.where instead of x[mask]), "
         "or pass output_shapes= with the shapes every call returns"
     )
     try:
@@ -196,8 +221,10 @@ def _checked_on_ones(
             f"on {where}) and raised {type(err).__name__} on ones: {err}. So t2j_ad cannot tell whether "
             f"its output shapes depend on the input values. {advice}."
         ) from err
-    if empty:
-        _check_shapes_agree(name, where, outputs, on_ones, advice)
+    # Every output, not only empty ones: a shape set by an input's value
+    # (F.pad(x, (n, n)) with n an argument) is refused here, naming both
+    # shapes, rather than by the first real call.
+    _check_shapes_agree(name, where, outputs, on_ones, advice)
     if on_zeros.same_as(ones_effects) or not ones_effects:
         return on_zeros
     if not on_zeros:

@@ -74,8 +74,9 @@ from __future__ import annotations
 import contextlib
 import operator
 import threading
+import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -84,6 +85,33 @@ import torch
 from .api import JaxifiedFunction, check_batch_argnums
 from .convert import call_device, copy_to_jax, torch_device
 from .module_modes import refuse_uninitialized
+
+
+def _warn_narrowed_params_beside_wide_buffers(module: torch.nn.Module, params: Mapping[str, Any]) -> None:
+    """With jax_enable_x64 off, a float64 module's parameters became float32
+    JAX arrays, while its float64 buffers (BatchNorm's running statistics)
+    stay as they are: PyTorch then refuses every call that mixes them
+    ("expected scalar type Float but found Double"), naming neither x64 nor
+    the buffers. Said here, once, by name."""
+    narrowed = [n for n, p in module.named_parameters() if p.dtype in _WIDE and params[n].dtype != _jax_name(p.dtype)]
+    wide = [n for n, b in module.named_buffers() if b.dtype in _WIDE]
+    if narrowed and wide:
+        warnings.warn(
+            f"t2j_ad: jaxify_module({type(module).__name__}): jax_enable_x64 is off, so its 64-bit parameters "
+            f"({', '.join(narrowed[:3])}{', ...' if len(narrowed) > 3 else ''}) are 32-bit JAX arrays, as JAX "
+            f"holds 64-bit values in this mode, while its 64-bit buffers ({', '.join(wide[:3])}"
+            f"{', ...' if len(wide) > 3 else ''}) stay 64-bit, and PyTorch refuses ops that mix the two. "
+            f"Enable x64 (jax.config.update('jax_enable_x64', True)) or call module.float() first.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+_WIDE = (torch.float64, torch.complex128)
+
+
+def _jax_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class _BuffersByDevice:
@@ -188,19 +216,36 @@ class _SlotsNow:
     """A module's ``_TensorSlots``, walked again only after the module changed
     (NOTE [binding tensors into a module])."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, param_keys: Sequence[str]) -> None:
         self._module = module
+        self._param_keys = tuple(param_keys)
         self._walk()
 
     def _walk(self) -> None:
         self.slots = _TensorSlots(self._module)
         self._held = _tables_held(self.slots.modules)
+        # The params keys no parameter of the module answers to any more (a
+        # parameter renamed after jaxify_module, as prune and parametrize
+        # do): their arrays would be bound nowhere, silently.
+        bound = {key for _, _, key in self.slots.params}
+        self.unbound = [key for key in self._param_keys if key not in bound]
 
     def now(self) -> _TensorSlots:
         held = _tables_held(self.slots.modules)
         if len(held) != len(self._held) or not all(map(operator.is_, held, self._held)):
             self._walk()
         return self.slots
+
+
+def _unbound_params_error(module: torch.nn.Module, unbound: Sequence[str]) -> TypeError:
+    now = [key for key, _ in module.named_parameters()]
+    return TypeError(
+        f"jaxify_module({type(module).__name__}): {', '.join(f'params[{k!r}]' for k in unbound)} names no "
+        f"parameter of the module as it is now ({', '.join(now[:6])}{', ...' if len(now) > 6 else ''}): its "
+        f"parameters were renamed or removed after jaxify_module (torch.nn.utils.prune and parametrize "
+        f"rename weight to weight_orig / parametrizations.weight.original), so that array would be used "
+        f"nowhere. Call jaxify_module again for the module as it is now."
+    )
 
 
 @contextlib.contextmanager
@@ -333,11 +378,12 @@ def jaxify_module(
     for sub in module.modules():
         refuse_uninitialized(sub)  # before PyTorch's own error from reading its parameters
     params = {name: copy_to_jax(p, device) for name, p in module.named_parameters()}
+    _warn_narrowed_params_beside_wide_buffers(module, params)
     buffers = _BuffersByDevice(module)
     # NOTE [a module's devices]: copied now to where the parameters went.
     buffers.on(torch_device(_first_device(params.values(), device)))
     in_module = _lock_of(module)  # NOTE [one module, many threads]
-    slots_now = _SlotsNow(module)  # read and rewalked under in_module
+    slots_now = _SlotsNow(module, list(params))  # read and rewalked under in_module
 
     def forward(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         on_device = buffers.on(_call_device(params, args, kwargs))
@@ -347,6 +393,8 @@ def jaxify_module(
         copies = None if on_device is buffers.home else on_device
         with in_module, _fast_path_off:
             slots = slots_now.now()  # the module as it is now, as functional_call found it
+            if slots_now.unbound:
+                raise _unbound_params_error(module, slots_now.unbound)
             with _bound(slots.params, params), _bound(slots.buffers, copies):
                 return module(*args, **kwargs)
 

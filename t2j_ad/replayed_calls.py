@@ -241,11 +241,15 @@ def effects(base: BaseFn) -> Effects:
     seen: Effects | None = base.effects
     if seen is None or getattr(base, "replays", False):
         return NO_EFFECTS
-    if getattr(base, "effects_root", None) is not None or modes_hold(seen.modes):
+    structure = getattr(base, "structure", None)
+    if getattr(base, "effects_root", None) is not None or (
+        modes_hold(seen.modes) and (structure is None or structure.holds())
+    ):
         return seen  # a keeping function keeps the effects it was made for
     with base.lock:
         by_modes = base.__dict__.setdefault("effects_by_modes", {})
-        key = tuple(module.training for module, _ in seen.modes)
+        # NOTE [a submodule replaced after a call] in module_structure.py
+        key = (tuple(module.training for module, _ in seen.modes), None if structure is None else structure.now())
         found = by_modes.get(key)
         if found is None:
             found = by_modes[key] = base.find_effects()

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import graph_mode
-from .convert import canonical_jax_dtype, jax_dtype, on_another_device, torch_dtype
+from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, on_another_device, torch_dtype
 from .cuda_streams import external_stream, run_on_stream
 from .malloc_tuning import tune_malloc
 from .module_modes import ModuleModes, modes_hold
@@ -75,7 +75,10 @@ class InputMutationError(TorchCallError):
 # count is per calling thread (OpenMP), so it must be set here, in the
 # callback, not once at import. On a small machine XLA's pool and PyTorch's
 # pool oversubscribe the cores: per-example gradients on 2 cores ran ~10x
-# slower with both at full width.
+# slower with both at full width. The caller's own count is put back after
+# the call: a call made on the caller's thread (an eager call on the CPU)
+# left it at ours, so the user's PyTorch code outside calls ran on half the
+# cores from then on (0.4 us per call to set and put back).
 _threads: int | None = None
 
 
@@ -165,10 +168,19 @@ _WRITTEN = object()
 # Looked up once: the runner's hot path calls these on every call.
 _Tensor = torch.Tensor
 _get_num_threads = torch.get_num_threads
+_set_num_threads = torch.set_num_threads
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 _no_autocast = torch._C._DisableAutocast
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """JAX's name for ``dtype``, or PyTorch's for one JAX has not (quint8)."""
+    try:
+        return str(jax_dtype(dtype))
+    except UnsupportedDtypeError:
+        return str(dtype)
 
 
 def _cast_on_copy(result: torch.dtype, buffer: torch.dtype) -> bool:
@@ -315,8 +327,15 @@ class _Runner:
             self._serialized(inputs, outputs)
             return
         n = _threads or torch_threads()
-        if _get_num_threads() != n:
-            torch.set_num_threads(n)
+        threads = _get_num_threads()
+        if threads != n:
+            # NOTE [torch threads]: for this call only.
+            _set_num_threads(n)
+            try:
+                self(inputs, outputs, stream)
+            finally:
+                _set_num_threads(threads)
+            return
         checked = self.base.mutation_checked
         if not checked:
             # Until one run shows the function leaves its inputs alone, hand
@@ -532,7 +551,7 @@ class _Runner:
             cast = _cast_on_copy(r.dtype, declared)
             if declared is not None and r.dtype != declared and not cast:
                 raise TorchCallError(
-                    f"{self.name}: {name} has dtype {jax_dtype(r.dtype)}, "
+                    f"{self.name}: {name} has dtype {_dtype_name(r.dtype)}, "
                     f"but {jax_dtype(declared)} was expected, as {self._expected_because()}."
                 )
         for name, r, out in zip(self.out_names, results, outputs):
@@ -561,19 +580,39 @@ class _Runner:
         if where.type == "meta":
             return (
                 f"{own}. If the function's output shapes and dtypes depend on its input shapes and dtypes "
-                f"alone (as JAX needs), a meta kernel of an op here differs from its real one, a PyTorch bug "
-                f"(torch 2.11's linalg.vector_norm with dim=-1 over a size-1 dimension is one): pass "
-                f"output_shapes= with the real shapes and dtypes"
+                f"alone (as JAX needs), either it branches on the device (if x.device.type == 'cpu': "
+                f"x = x.float()), which is 'meta' there, or a meta kernel of an op here differs from its real "
+                f"one, a PyTorch bug (torch 2.11's linalg.vector_norm with dim=-1 over a size-1 dimension is "
+                f"one): pass output_shapes= with the real shapes and dtypes"
             )
+        hint = integer_scalars_hint(getattr(self.base, "in_names", ()), self.base.in_avals)
         return (
             f"{own}; output shapes and dtypes must depend on the input shapes and dtypes alone, which is all "
-            f"JAX knows when it traces"
+            f"JAX knows when it traces" + (f".{hint.rstrip('.')}" if hint else "")
         )
 
     def _refuse_mutation(self, inputs: Sequence[torch.Tensor]) -> None:
         mutated = [i for i, t in enumerate(inputs) if t._version]
         names = getattr(self.base, "in_names", None) if not self.transforms else None
         raise InputMutationError(mutation_message(self.name, mutated, names))
+
+
+def integer_scalars_hint(in_names: Sequence[str], in_avals: Sequence[Any]) -> str:
+    """The end of an error about output shapes, where 0-d integer inputs
+    (Python ints among them) may be meant as sizes; "" if there are none."""
+    names = [n for n, a in zip(in_names, in_avals) if a.shape == () and np.issubdtype(a.dtype, np.integer)]
+    if not names:
+        return ""
+    if len(names) == 1:
+        which = f"{names[0]} is a 0-d integer, which reaches PyTorch as a 0-d tensor whose value JAX traces"
+    else:
+        which = f"{', '.join(names)} are 0-d integers, which reach PyTorch as 0-d tensors whose values JAX traces"
+    return (
+        f" Note: {which} (a Python int too), not as an int; output shapes are inferred with "
+        f"{'it' if len(names) == 1 else 'them'} 0, then 1. A size, count or padding must be fixed when JAX "
+        f"traces: keep it in the PyTorch function (t2j_ad.jaxify(functools.partial(fn, n=8)); for a module, "
+        f"a forward that passes it) instead of passing it through JAX."
+    )
 
 
 def mutation_message(name: str, mutated: Sequence[int], names: Sequence[str] | None = None, where: str = "") -> str:
@@ -664,10 +703,11 @@ class _RunnerWithEffects(_Runner):
         # generator reads the token by its index, and super() drops it.
         if self.checks_flags and not effects_now(self.base).same_as(traced_for(self.base)):
             raise TorchCallError(
-                f"{self.name}: the modules it runs changed training mode (module.train() or .eval()) since "
-                f"jax.jit traced it, and with that mode the function draws random numbers or updates state "
-                f"it keeps other than it did, which its derivatives would draw or update a second time. "
-                f"Trace again after changing the mode: call a new jax.jit of it, or jax.clear_caches()."
+                f"{self.name}: the modules it runs changed training mode (module.train() or .eval()), or "
+                f"had a submodule replaced, since jax.jit traced it, and now the function draws random "
+                f"numbers or updates state it keeps other than it did, which its derivatives would draw or "
+                f"update a second time. Trace again after such a change: jax.clear_caches(), or a new "
+                f"jax.jit of it."
             )
         call_effects = self.base.call_effects
         # On a GPU, the generator is handled in the nested call on XLA's stream.

@@ -31,6 +31,20 @@ it cannot vouch for. Graph and eager run the same aten kernels, so they
 agree to rounding: the tolerance, half the dtype's digits relative to the
 output's largest entry, leaves room only for kernels that are not
 deterministic (atomic adds on a GPU), and none for a layout mix-up.
+
+NOTE [checking inductor against the trace]
+Inductor compiles the checked graph into kernels of its own, which can be
+wrong where the graph is right: torch 2.13 on the CPU ran a fused kernel
+reading dropout's mask before the ``bernoulli_`` that fills it, after
+``layer_norm`` and ``gelu`` (NaN from the second call on: the first call
+returns the graph's results), and inductor's ``avg_pool2d(ceil_mode=True)``
+backward is wrong (pytorch/pytorch#198119). So in ``compile="inductor"`` the
+compiled function runs once more at the first call, and its results are
+compared with a second run of the graph, both from the random state and the
+written tensors the first run left, put back after each (the tolerance as
+above, which leaves room for inductor's reordered float arithmetic). Where
+they disagree the function runs the traced graph instead, as
+``compile="graph"`` would, and a FallbackWarning names the output.
 """
 
 from __future__ import annotations
@@ -78,10 +92,10 @@ def _as_tuple(results: Any) -> tuple[Any, ...]:
     return tuple(results) if isinstance(results, (tuple, list)) else (results,)
 
 
-def _mismatch(expected: torch.Tensor, actual: torch.Tensor) -> str | None:
-    """How ``actual`` differs from ``expected`` beyond rounding; None if it does not."""
+def _mismatch(expected: torch.Tensor, actual: torch.Tensor, reference: str = "eager") -> str | None:
+    """How ``actual`` differs from ``expected`` (``reference``'s) beyond rounding; None if it does not."""
     if expected.shape != actual.shape or expected.dtype != actual.dtype:
-        return f"{tuple(actual.shape)} {actual.dtype} where eager gives {tuple(expected.shape)} {expected.dtype}"
+        return f"{tuple(actual.shape)} {actual.dtype} where {reference} gives {tuple(expected.shape)} {expected.dtype}"
     if not (expected.is_floating_point() or expected.is_complex()):
         return None if torch.equal(expected, actual) else "different values"
     tolerance = torch.finfo(expected.dtype).eps ** 0.5
@@ -93,7 +107,7 @@ def _mismatch(expected: torch.Tensor, actual: torch.Tensor) -> str | None:
         if not torch.equal(torch.isnan(e), torch.isnan(a)) or not torch.equal(
             torch.nan_to_num(e[special]), torch.nan_to_num(a[special])
         ):
-            return "NaN or infinite entries where eager has others"
+            return f"NaN or infinite entries where {reference} has others"
         e, a = e[finite], a[finite]
     if e.numel() == 0:
         return None
@@ -194,6 +208,27 @@ def checked_first_run(
     raise FirstRunNotUndone(f"{reason}, after a layout the trace did not foresee ({diverged})", len(written))
 
 
+def compiled_disagreement(
+    graph: torch.fx.GraphModule, compiled: Flat, inputs: Sequence[torch.Tensor], written: Sequence[torch.Tensor]
+) -> str | None:
+    """How ``compiled`` (inductor's kernels for ``graph``) differs from
+    ``graph`` on ``inputs``, each run from the random state and the values
+    of ``written`` (the tensors the first run wrote) the first run left,
+    which are put back after each; None where they agree (NOTE [checking
+    inductor against the trace])."""
+    devices = sorted({t.device.index or 0 for t in inputs if t.is_cuda})
+    left = _State(devices, written)
+    with torch.no_grad():
+        expected = graph(*[t.clone() for t in inputs])
+    left.restore()
+    try:
+        with torch.no_grad():
+            actual = compiled(*[t.clone() for t in inputs])
+    finally:
+        left.restore()
+    return _disagreement(_as_tuple(expected), _as_tuple(actual), "the traced graph")
+
+
 def run_checking_layouts(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> tuple[Any, str | None]:
     """``graph``'s results on ``inputs``, and its first node whose real result
     is laid out other than at trace time (None if none is)."""
@@ -203,12 +238,15 @@ def run_checking_layouts(graph: torch.fx.GraphModule, inputs: Sequence[torch.Ten
     return (tuple(results) if isinstance(results, list) else results), checker.diverged
 
 
-def _disagreement(expected: tuple[Any, ...], actual: tuple[Any, ...]) -> str | None:
+def _disagreement(expected: tuple[Any, ...], actual: tuple[Any, ...], reference: str = "eager") -> str | None:
+    """How ``actual`` differs from ``expected``, the results of ``reference``
+    ("eager": the eager call; or "the graph"); None where they agree."""
+    call = "the eager call" if reference == "eager" else reference
     if len(actual) != len(expected):
-        return f"returned {len(actual)} outputs where the eager call returns {len(expected)}"
+        return f"returned {len(actual)} outputs where {call} returns {len(expected)}"
     for i, (e, a) in enumerate(zip(expected, actual)):
         if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor):
-            mismatch = _mismatch(e, a)
+            mismatch = _mismatch(e, a, reference)
             if mismatch is not None:
-                return f"disagreed with the eager call on output {i} ({mismatch})"
+                return f"disagreed with {call} on output {i} ({mismatch})"
     return None

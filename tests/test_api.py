@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -298,7 +299,15 @@ def test_forward_runs_under_grad_mode_with_controlled_threads():
         return x + 1
 
     t2j_ad.set_torch_threads(1)
-    jax.jit(t2j_ad.jaxify(probe))(jnp.ones(2))
+    callers = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        jax.jit(t2j_ad.jaxify(probe))(jnp.ones(2))
+        t2j_ad.jaxify(probe)(jnp.ones(3))
+        # Inside calls only: the caller's own count was left at 1 for good.
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(callers)
     assert seen == {"grad": True, "threads": 1}
     with pytest.raises(ValueError, match="n must be >= 1"):
         t2j_ad.set_torch_threads(0)
@@ -385,7 +394,9 @@ def test_a_call_made_inside_the_callers_autocast_region_runs_without_it(mode):
     f = t2j_ad.jaxify(lambda x: lin(x), compile=mode)
 
     def inner_autocast(x):
-        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        # The device named as users write it: "meta" while inferring shapes
+        # would hide that autocast("cpu") leaves meta tensors alone.
+        with torch.autocast(TORCH_DEVICE.type, dtype=torch.bfloat16):
             return lin(x)
 
     g = t2j_ad.jaxify(inner_autocast, compile=mode)
@@ -400,6 +411,20 @@ def test_a_call_made_inside_the_callers_autocast_region_runs_without_it(mode):
         np.testing.assert_allclose(result, exact, rtol=1e-6, atol=1e-6)
     assert g(x).dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(g(x), np.float32), to_numpy(low.float()))
+
+    def matmul_in_autocast(x, w):  # runs on the meta device, where autocast("cpu") casts nothing
+        with torch.autocast(TORCH_DEVICE.type, dtype=torch.bfloat16):
+            return x @ w
+
+    h = t2j_ad.jaxify(matmul_in_autocast, compile=mode)
+    w = jnp.asarray(np.random.default_rng(1).normal(size=(4, 2)), jnp.float32)
+    assert h(x, w).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(h(x, w), np.float32), to_numpy(matmul_in_autocast(to_torch(x), to_torch(w)).float())
+    )
+    grad = jax.grad(lambda w: h(x, w).astype(jnp.float32).sum())(w)
+    expected = torch.func.grad(lambda w: matmul_in_autocast(to_torch(x), w).float().sum())(to_torch(w))
+    np.testing.assert_allclose(grad, to_numpy(expected), rtol=1e-2)
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
@@ -526,6 +551,66 @@ def test_a_tuple_subclass_is_a_tuple_where_output_shapes_declares_one(mode, x64)
     np.testing.assert_allclose(values, x.max(0))
     np.testing.assert_array_equal(indices, x.argmax(0))
     np.testing.assert_allclose(jax.grad(lambda x: top(x)[0].sum())(x), jax.grad(lambda x: x.max(0).sum())(x))
+
+
+def test_an_int_argument_used_as_a_size_is_refused_at_trace_time_with_the_fix():
+    """A Python int reaches PyTorch as a 0-d tensor, zero and then one while
+    shapes are inferred: F.pad(x, (n, n)) passed inference with n = 0 and
+    was refused only by the first real call, and ConvTranspose2d's
+    output_size showed the user's 8 as tensor(0), neither saying why."""
+    x = jnp.ones((1, 3, 4, 4))
+    pad = t2j_ad.jaxify(lambda x, n: torch.nn.functional.pad(x, (n, n)))
+    with pytest.raises(t2j_ad.TorchCallError, match=r"\(1, 3, 4, 4\) on zeros and \(1, 3, 4, 6\) on ones") as err:
+        pad(x, 2)
+    assert "args[1] is a 0-d integer" in str(err.value) and "functools.partial" in str(err.value)
+    fixed = t2j_ad.jaxify(functools.partial(lambda x, n: torch.nn.functional.pad(x, (n, n)), n=2))
+    np.testing.assert_allclose(fixed(x), jnp.pad(x, ((0, 0), (0, 0), (0, 0), (2, 2))))
+    up = torch.nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1).to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(up)
+    with pytest.raises(t2j_ad.TorchCallError, match=r"kwargs\['output_size'\]\[0\], kwargs\['output_size'\]\[1\] are 0-d"):
+        apply(params, x, output_size=[8, 8])
+
+
+def test_a_function_that_calls_its_own_wrapper_runs_instead_of_hanging():
+    """The wrapper's lock was held while the function ran to infer its
+    shapes, so a function calling its own wrapper (on a smaller shape)
+    waited for itself forever."""
+
+    def sines(x):
+        if x.shape[0] <= 1:
+            return torch.sin(x)
+        head = t2j_ad.tree_j2t(recursive(t2j_ad.tree_t2j(x[:-1].detach().contiguous())))
+        return torch.cat([head, torch.sin(x[-1:])])
+
+    recursive = t2j_ad.jaxify(sines)
+    x = jnp.linspace(0.0, 1.0, 3)
+    np.testing.assert_allclose(recursive(x), np.sin(np.asarray(x)), rtol=1e-6)
+
+
+def test_a_jaxified_function_deep_copies_as_itself_and_pickles_as_what_makes_it():
+    """copy.deepcopy of a jaxify'd function (or of a dict holding one) and
+    pickle failed on its lock ("cannot pickle '_thread.lock' object")."""
+    import copy
+    import pickle
+
+    f = t2j_ad.jaxify(torch.sin, vmap_method="sequential", compile="graph")
+    x = jnp.linspace(0.0, 1.0, 3)
+    f(x)
+    assert copy.deepcopy({"f": f})["f"] is f
+    g = pickle.loads(pickle.dumps(f))
+    assert (g.vmap_method, g.compile) == ("sequential", "graph")
+    np.testing.assert_allclose(jax.vmap(g)(jnp.stack([x, x])), jnp.sin(jnp.stack([x, x])), rtol=1e-6)
+
+
+def test_jaxify_on_a_method_says_to_wrap_the_bound_method():
+    class Doubler:
+        @t2j_ad.jaxify
+        def double(self, x):
+            return x * 2
+
+    with pytest.raises(TypeError, match=r"missing a required argument: 'x' \(It takes self: .*t2j_ad\.jaxify\(obj\.method\)"):
+        Doubler().double(jnp.ones(2))
+    np.testing.assert_allclose(t2j_ad.jaxify(Doubler.double.__wrapped__.__get__(Doubler()))(jnp.ones(2)), [2.0, 2.0])
 
 
 @pytest.mark.parametrize(

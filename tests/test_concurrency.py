@@ -112,3 +112,38 @@ def test_threads_first_calling_different_transforms_of_one_graph_mode_function()
         run_in_threads(worker, len(transforms))
         stats = f.compile_stats()
         assert stats["graphs"] == 4 and stats["eager_fallbacks"] == 0, (attempt, stats)
+
+
+def test_clear_caches_while_another_thread_calls():
+    """t2j_ad.clear_caches() emptied the registry while a jitted call on
+    another thread still ran its compiled program: some of those calls failed
+    with "no PyTorch function is registered under key N"."""
+    import threading
+    import time
+
+    f = jax.jit(t2j_ad.jaxify(lambda x: torch.sin(x) * 2))
+    x = jnp.linspace(0.0, 1.0, 3)
+    f(x)
+    failures: list[BaseException] = []
+    calls = [0]
+    stop = threading.Event()
+
+    def worker() -> None:
+        while not stop.is_set():
+            try:
+                np.testing.assert_allclose(f(x), 2 * np.sin(np.asarray(x)), rtol=1e-6)
+                calls[0] += 1
+            except BaseException as err:  # noqa: BLE001 - collected and reported below
+                failures.append(err)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        for _ in range(10):
+            time.sleep(0.05)
+            t2j_ad.clear_caches()
+    finally:
+        stop.set()
+        thread.join()
+    assert not failures, failures[:2]
+    assert calls[0] > 10

@@ -269,7 +269,7 @@ F32_3 = jax.ShapeDtypeStruct((3,), jnp.float32)
 
 def _result_faults() -> list[Fault]:
     wrong_shape = _declared(lambda x: x[:2] if triggered(x) else x * 2, F32_3)
-    wrong_dtype = _declared(lambda x: x.double() if triggered(x) else x * 2, F32_3)
+    wrong_dtype = _declared(lambda x: x.half() if triggered(x) else x * 2, F32_3)
     wrong_structure = _declared(
         lambda x: {"a": x, "b": x} if triggered(x) else (x * 2, x), (F32_3, F32_3)
     )
@@ -284,7 +284,7 @@ def _result_faults() -> list[Fault]:
         Fault(
             "wrong output dtype",
             lambda: wrong_dtype(BAD),
-            r"output has dtype float64, but float32 was expected, as declared by output_shapes",
+            r"output has dtype float16, but float32 was expected, as declared by output_shapes",
             lambda: (wrong_dtype(GOOD), GOOD * 2),
         ),
         Fault(

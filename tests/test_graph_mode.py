@@ -865,6 +865,45 @@ def test_inductor_matches_torch_func_and_keeps_custom_rules():
     assert stats["compile_seconds"] > 0  # really compiled, not the traced graph
 
 
+def test_inductor_kernels_that_disagree_with_the_trace_run_the_traced_graph():
+    """NOTE [checking inductor against the trace]: torch 2.13's inductor ran
+    a fused kernel reading dropout's mask before the bernoulli_ that fills it
+    (after layer_norm and gelu): NaN from the second call on, the first call
+    being the traced graph's. Against PyTorch from the same seed."""
+
+    def ln_gelu_dropout(x, g, b):
+        return torch.nn.functional.dropout(torch.nn.functional.gelu(torch.nn.functional.layer_norm(x, (16,), g, b)), 0.25)
+
+    rng = np.random.default_rng(0)
+    args = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(8, 16), (16,), (16,)]]
+    f = jax.jit(t2j_ad.jaxify(ln_gelu_dropout, compile="inductor"))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for seed in range(3):
+            torch.manual_seed(seed)
+            got = np.asarray(f(*args))
+            torch.manual_seed(seed)
+            np.testing.assert_allclose(got, to_numpy(ln_gelu_dropout(*map(to_torch, args))), rtol=1e-5, atol=1e-6)
+    if TORCH_DEVICE.type == "cpu":  # the miscompiled kernel is inductor's C++ one
+        assert any("inductor's compiled kernels" in str(w.message) for w in record), [str(w.message) for w in record]
+
+
+def test_inductor_kernels_are_checked_against_the_traced_graph(monkeypatch):
+    """Whatever inductor gets wrong, the first call compares its kernels with
+    the graph they were compiled from, and keeps the graph if they differ."""
+
+    def miscompiled(artifact, graph, inputs, out_specs):
+        artifact.run = lambda *a: tuple(r + 1 for r in graph(*a))
+
+    monkeypatch.setattr(graph_mode, "_compile", miscompiled)
+    f = t2j_ad.jaxify(lambda x: torch.sin(x) * 2, compile="inductor")
+    x = jnp.arange(3.0)
+    with pytest.warns(FallbackWarning, match=r"disagreed with the traced graph on output 0 \(entries off by up to 1"):
+        np.testing.assert_allclose(f(x), 2 * np.sin(np.arange(3.0)), rtol=1e-6)
+    np.testing.assert_allclose(f(x + 1), 2 * np.sin(np.arange(3.0) + 1), rtol=1e-6)
+    assert f.compile_stats()["graphs"] == 1
+
+
 def _only_artifact(f):
     (artifact,) = [a for entry in f._cache.values() for a in graph_mode.artifacts(entry.base)]
     return artifact

@@ -390,3 +390,75 @@ def test_sparse_embedding_gradients_come_back_dense(cls, mode, x64):
     np.testing.assert_allclose(jax.jit(jax.grad(loss))(params, idx)["weight"], to_numpy(expected["weight"].to_dense()))
     per_example = jax.vmap(jax.grad(lambda p, i: loss(p, i[None])), in_axes=(None, 0))(params, idx)["weight"]
     np.testing.assert_allclose(per_example.sum(0), to_numpy(expected["weight"].to_dense()), rtol=1e-12)
+
+
+def test_with_x64_off_a_float64_module_with_float64_buffers_warns_by_name():
+    """Its parameters became float32 JAX arrays, its buffers stayed float64,
+    and every call failed in PyTorch ("expected scalar type Float but found
+    Double") with no word of x64 or the buffers."""
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double()
+    with jax.enable_x64(False):
+        with pytest.warns(UserWarning, match=r"jax_enable_x64 is off.*64-bit buffers \(1\.running_mean, 1\.running_var\)"):
+            t2j_ad.jaxify_module(net)
+        apply, params = t2j_ad.jaxify_module(net.float())  # the fix the warning names
+        x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 3)), jnp.float32)
+        with torch.no_grad():
+            expected = net(to_torch(x))
+        np.testing.assert_allclose(apply(params, x), to_numpy(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_params_of_a_parameter_renamed_after_jaxify_module_are_refused_by_name():
+    """prune renames weight to weight_orig: params['0.weight'] was then bound
+    nowhere, silently (its gradient 0, its value ignored), where
+    torch.func.functional_call refuses the key."""
+    import torch.nn.utils.prune as prune
+
+    net = nn.Sequential(nn.Linear(3, 2)).to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(net)
+    x = jnp.ones((5, 3))
+    apply(params, x)
+    prune.l1_unstructured(net[0], "weight", amount=0.5)
+    with pytest.raises(Exception, match=r"params\['0\.weight'\] names no parameter of the module as it is now \(0\.bias, 0\.weight_orig\)"):
+        jax.block_until_ready(apply(params, x))
+    apply, params = t2j_ad.jaxify_module(net)  # the fix the message names
+    with torch.no_grad():
+        expected = net(to_torch(x))
+    np.testing.assert_allclose(apply(params, x), to_numpy(expected), rtol=1e-6)
+
+
+class _MaybeDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.drop = nn.Identity()
+
+    def forward(self, x):
+        return self.drop(torch.tanh(self.lin(x)))
+
+
+def test_a_submodule_swapped_in_after_a_call_is_seen_by_derivatives(x64):
+    """NOTE [a submodule replaced after a call]: an Identity replaced by a
+    Dropout after the first call kept the effects learnt on the first call,
+    so jax.value_and_grad's gradient went through another mask than its
+    value's, silently; a program jitted before the swap is refused."""
+    torch.manual_seed(0)
+    net = _MaybeDropout().double().to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(net)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 4)))
+    value_and_grad = jax.value_and_grad(lambda p: (apply(p, x) ** 2).sum())
+    jitted = jax.jit(value_and_grad)
+    value_and_grad(params)
+    jitted(params)
+    net.drop = nn.Dropout(0.5)
+    own = {k: v.detach() for k, v in net.named_parameters()}
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        value, grads = value_and_grad(params)
+        torch.manual_seed(seed)
+        expected_grads, expected_value = torch.func.grad_and_value(
+            lambda p: (torch.func.functional_call(net, p, (to_torch(x),)) ** 2).sum()
+        )(own)
+        np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
+        assert_tree_allclose(grads, {k: jnp.asarray(to_numpy(v)) for k, v in expected_grads.items()}, rtol=1e-10)
+    with pytest.raises(Exception, match="had a submodule replaced, since jax.jit traced it"):
+        jax.block_until_ready(jitted(params))

@@ -37,8 +37,12 @@ into a pointer, so a stale key is an error, not a crash.
   executables never run in this process (they are inspected or serialized),
   so the holder of such a lowering is kept for the process's life instead
   (``ffi.keep_alive``): that many TorchFns stay alive, one per such lowering.
-* Keys are never reused, so even a dispatch after ``clear()`` can only fail
-  with a clear error, never run the wrong function.
+* Keys are never reused, so a dispatch of a key whose entry is gone can only
+  fail with a clear error, never run the wrong function. Nothing clears the
+  table: ``t2j_ad.clear_caches()`` drops JAX's caches of compiled programs,
+  whose entries then go with them, while a program still held (an
+  ahead-of-time ``compiled``, or one running on another thread) keeps
+  working. (It once cleared the table too, which broke both.)
 
 Host callbacks also keep such executables out of JAX's persistent compilation
 cache, which is what we want: keys are meaningful only in this process.
@@ -97,11 +101,11 @@ def lookup(key: int) -> Any:
     fun = ref() if ref is not None else None
     if fun is None:
         raise LookupError(
-            f"t2j_ad: no PyTorch function is registered under key {key}. It was "
-            f"released by t2j_ad.clear_caches() (or never registered in this "
-            f"process) while a compiled program still referred to it. Re-trace "
-            f"the function: call jax.clear_caches() and call it again, or "
-            f"re-run .lower().compile() on ahead-of-time compiled programs."
+            f"t2j_ad: no PyTorch function is registered under key {key}: a "
+            f"program compiled in this process keeps its functions registered "
+            f"while it lives, so this one was compiled elsewhere (a serialized "
+            f"executable) or the key was forged. Re-trace the function: call "
+            f"jax.clear_caches() and call it again, or re-run .lower().compile()."
         )
     return fun
 
@@ -109,15 +113,3 @@ def lookup(key: int) -> Any:
 def size() -> int:
     """Number of live entries."""
     return len(_fun_of)
-
-
-def clear() -> None:
-    """Forget every entry (``t2j_ad.clear_caches()`` calls this).
-
-    Programs compiled before this call and still held raise a ``LookupError``
-    naming the fix when run; new traces get new keys.
-    """
-    with _lock:
-        _fun_of.clear()
-        _key_of.clear()
-        runners.clear()

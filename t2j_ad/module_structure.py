@@ -1,0 +1,76 @@
+"""Whether the modules a function refers to still hold the submodules,
+parameters and buffers they held when its signature was resolved.
+
+NOTE [a submodule replaced after a call]
+What a function does besides computing its outputs (its draws and state
+writes: NOTE [derivatives replay the value's draws] in replayed_calls.py) is
+learnt once per input signature, by the run that infers its shapes. Swapping
+a submodule afterwards (``model.drop = nn.Dropout(0.5)`` where an
+``Identity`` was, a fresh ``BatchNorm``) changed it, unseen: the gradient
+was taken through another dropout mask than the value's, or the new
+running statistics were updated twice per step, silently. So a resolved
+signature remembers the structure of the modules the function refers to,
+and a call that finds it changed resolves the signature again (and a
+program ``jax.jit`` compiled before is refused by its derivative calls, as
+after a change of training mode).
+
+Comparing the structure on every call would walk every submodule. Instead,
+PyTorch's global registration hooks count every submodule, parameter or
+buffer registered anywhere (assigning one to a module registers it), and
+only a call that finds the count moved compares the structure: one integer
+compare per call otherwise. Deleting an attribute (``del model.drop``)
+registers nothing and is not seen; neither is a Python flag the function
+reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.nn.modules.module as _module_hooks  # public: torch.nn.modules.module.register_module_*_hook
+
+# How many submodules, parameters and buffers have been registered on any
+# module since import; read without a lock (a stale read only costs a walk).
+_registered = [0]
+
+
+def _count(*_: Any) -> None:
+    _registered[0] += 1
+
+
+_module_hooks.register_module_module_registration_hook(_count)
+_module_hooks.register_module_parameter_registration_hook(_count)
+_module_hooks.register_module_buffer_registration_hook(_count)
+
+
+def _structure(modules: Sequence[Any]) -> tuple[Any, ...]:
+    """Each submodule of ``modules`` (by identity) with the names of its
+    parameters and buffers, in order."""
+    return tuple(
+        (id(sub), tuple(sub._parameters), tuple(sub._buffers)) for root in modules for sub in root.modules()
+    )
+
+
+class StructureSeen:
+    """The structure of ``modules`` now; ``holds()`` says whether it still is."""
+
+    __slots__ = ("_modules", "_registered", "_structure")
+
+    def __init__(self, modules: Sequence[Any]) -> None:
+        self._modules = tuple(modules)
+        self._registered = _registered[0]
+        self._structure = _structure(self._modules) if self._modules else ()
+
+    def now(self) -> tuple[Any, ...]:
+        """The structure of the modules as it is now."""
+        return _structure(self._modules) if self._modules else ()
+
+    def holds(self) -> bool:
+        registered = _registered[0]
+        if registered == self._registered or not self._modules:
+            return True
+        if _structure(self._modules) != self._structure:
+            return False
+        self._registered = registered  # something else was registered: nothing to walk next time
+        return True
