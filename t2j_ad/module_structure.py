@@ -48,7 +48,7 @@ def _structure(modules: Sequence[Any]) -> tuple[Any, ...]:
     """Each submodule of ``modules`` (by identity) with the names of its
     parameters and buffers, in order."""
     return tuple(
-        (id(sub), tuple(sub._parameters), tuple(sub._buffers)) for root in modules for sub in root.modules()
+        (id(sub), tuple(sub._parameters.keys()), tuple(sub._buffers.keys())) for root in modules for sub in root.modules()
     )
 
 

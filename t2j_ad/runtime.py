@@ -327,20 +327,14 @@ class _Runner:
             self._serialized(inputs, outputs)
             return
         n = _threads or torch_threads()
-        threads = _get_num_threads()
-        if threads != n:
-            # NOTE [torch threads]: for this call only.
-            _set_num_threads(n)
-            try:
-                self(inputs, outputs, stream)
-            finally:
-                _set_num_threads(threads)
-            return
         checked = self.base.mutation_checked
         if not checked:
             # Until one run shows the function leaves its inputs alone, hand
             # it copies, so a mutating function cannot change the caller's arrays.
             inputs = [t.clone() for t in inputs]
+        threads = _get_num_threads()
+        if threads != n:
+            _set_num_threads(n)  # NOTE [torch threads]: for this call only, put back below
         previous = _is_grad_enabled()
         _set_grad_enabled(self.grad_enabled)
         try:
@@ -412,6 +406,8 @@ class _Runner:
                 raise
         finally:
             _set_grad_enabled(previous)
+            if threads != n:
+                _set_num_threads(threads)
 
     def _serialized(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         # NOTE [forward AD is process-wide]; a call about to trace takes the

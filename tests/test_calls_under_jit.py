@@ -148,7 +148,10 @@ def test_batch_norm_updates_once_per_step_in_the_gradient_of_a_scan(mode):
         for name, p in reference.named_parameters():
             expected[name] += p.grad
     assert sorted(got) == sorted(names)
-    assert_tree_allclose(got, {k: to_numpy(v) for k, v in expected.items()}, rtol=1e-5, atol=1e-6)
+    # The linear bias before batch norm has a zero gradient: float32 rounding
+    # noise there (1e-5), which depends on the reduction order of PyTorch's
+    # thread count here, outside calls (the caller's own since calls put it back).
+    assert_tree_allclose(got, {k: to_numpy(v) for k, v in expected.items()}, rtol=1e-5, atol=5e-5)
     # Inference ran the module once more (a trial run puts its state back).
     assert int(module[1].num_batches_tracked) == int(reference[1].num_batches_tracked) == _STEPS
     assert_tree_allclose(to_numpy(module[1].running_mean), to_numpy(reference[1].running_mean), rtol=1e-6)
