@@ -61,6 +61,7 @@ from torch.overrides import TorchFunctionMode
 from .convert import torch_dtype
 from .dropout_layouts import LayoutDependentDraws
 from .module_modes import UninitializedModuleError, recording_module_modes
+from .module_structure import ModuleChangedError
 from .random_state import RandomOpsSeen
 from .real_writes import trial_run
 from .replayed_calls import Effects
@@ -167,7 +168,7 @@ def infer_outputs(
     try:
         outputs, effects = _run(fn, avals, _META, name, modules=modules, dicts=dicts)
         return Inferred(outputs, _META, effects)
-    except (InputMutationError, UninitializedModuleError):
+    except (InputMutationError, UninitializedModuleError, ModuleChangedError):
         raise
     except Exception:  # noqa: BLE001 - no meta kernel, or needs real data
         pass
@@ -175,7 +176,7 @@ def infer_outputs(
     for where in devices_to_try(device):
         try:
             outputs, effects = _run(fn, avals, where, name, modules=modules, dicts=dicts)
-        except (InputMutationError, UninitializedModuleError):
+        except (InputMutationError, UninitializedModuleError, ModuleChangedError):
             raise
         except Exception as err:  # noqa: BLE001 - reported below if no device works
             first = first or (where, err)
@@ -211,7 +212,7 @@ def _checked_on_ones(
     )
     try:
         on_ones, ones_effects = _run(fn, avals, where, name, torch.ones, modules, dicts)
-    except (InputMutationError, UninitializedModuleError):
+    except (InputMutationError, UninitializedModuleError, ModuleChangedError):
         raise
     except Exception as err:  # noqa: BLE001 - only an empty output needs the run on ones
         if not empty:

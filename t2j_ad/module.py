@@ -85,6 +85,7 @@ import torch
 from .api import JaxifiedFunction, check_batch_argnums
 from .convert import call_device, copy_to_jax, torch_device
 from .module_modes import refuse_uninitialized
+from .module_structure import ModuleChangedError
 
 
 def _warn_narrowed_params_beside_wide_buffers(module: torch.nn.Module, params: Mapping[str, Any]) -> None:
@@ -237,9 +238,9 @@ class _SlotsNow:
         return self.slots
 
 
-def _unbound_params_error(module: torch.nn.Module, unbound: Sequence[str]) -> TypeError:
+def _unbound_params_error(module: torch.nn.Module, unbound: Sequence[str]) -> ModuleChangedError:
     now = [key for key, _ in module.named_parameters()]
-    return TypeError(
+    return ModuleChangedError(
         f"jaxify_module({type(module).__name__}): {', '.join(f'params[{k!r}]' for k in unbound)} names no "
         f"parameter of the module as it is now ({', '.join(now[:6])}{', ...' if len(now) > 6 else ''}): its "
         f"parameters were renamed or removed after jaxify_module (torch.nn.utils.prune and parametrize "

@@ -52,6 +52,12 @@ def _structure(modules: Sequence[Any]) -> tuple[Any, ...]:
     )
 
 
+class ModuleChangedError(TypeError):
+    """A module changed after ``jaxify_module`` so that a call cannot run it
+    as asked (a parameter ``params`` names is gone); raised as it is, also
+    from the runs that infer output shapes."""
+
+
 class StructureSeen:
     """The structure of ``modules`` now; ``holds()`` says whether it still is."""
 
