@@ -71,14 +71,16 @@ class InputMutationError(TorchCallError):
 # call. The runs that infer output shapes leave inference mode.
 
 # NOTE [torch threads]
-# XLA calls us from one of its own worker threads. PyTorch's intra-op thread
-# count is per calling thread (OpenMP), so it must be set here, in the
-# callback, not once at import. On a small machine XLA's pool and PyTorch's
+# XLA calls us from the thread that runs the program (one of its own on a
+# GPU or with asynchronous dispatch). PyTorch's intra-op thread count is per
+# calling thread (OpenMP), so it must be set here, in the callback, not once
+# at import. On a small machine XLA's pool and PyTorch's
 # pool oversubscribe the cores: per-example gradients on 2 cores ran ~10x
 # slower with both at full width. The caller's own count is put back after
-# the call: a call made on the caller's thread (an eager call on the CPU)
-# left it at ours, so the user's PyTorch code outside calls ran on half the
-# cores from then on (0.4 us per call to set and put back).
+# the call: on the CPU, XLA runs a program's calls on the thread that called
+# it (jitted or not, seen with jax 0.10), so a call left the caller's thread
+# at ours and the user's PyTorch code outside calls ran on half the cores
+# from then on (0.4 us per call to set and put back).
 _threads: int | None = None
 
 
