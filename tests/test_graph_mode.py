@@ -1273,3 +1273,16 @@ def test_a_failed_trace_leaves_no_fake_tensor_error_log(capfd, caplog):
     rows = [grad(weights, xi) for xi in torch.from_numpy(np.asarray(x))]  # torch.vmap refuses a GRU too
     expected = {k: jnp.asarray(torch.stack([r[k] for r in rows]).numpy()) for k in weights}
     assert_tree_allclose(grads, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_submodule_replaced_after_a_trace_is_traced_again():
+    """NOTE [a submodule replaced after a call]: the graph traced with a Tanh
+    kept computing tanh after model.act = ReLU(), silently."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh()).to(TORCH_DEVICE)
+    f = t2j_ad.jaxify(lambda x: net(x), compile="graph")
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3)), jnp.float32)
+    with torch.no_grad():
+        np.testing.assert_allclose(f(x), to_numpy(net(to_torch(x))), rtol=1e-6)
+        net[1] = torch.nn.ReLU()
+        np.testing.assert_allclose(f(x), to_numpy(net(to_torch(x))), rtol=1e-6, atol=1e-7)
