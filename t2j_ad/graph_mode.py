@@ -79,7 +79,7 @@ from .output_buffers import (
 from .random_state import SeedWatch, generators_in_use
 from .real_writes import one_trial_run, trial_run
 from .rules.fallbacks import provisional, warn_once
-from .trace_check import FirstRunNotUndone, checked_first_run, compiled_disagreement, graph_constants
+from .trace_check import FirstRunNotUndone, WrittenConstants, checked_first_run, compiled_disagreement
 from .tangent_zeros import fold_tangent_zeros, plain_tangent_zeros
 from .trace_refusals import (
     refuse_rebound_attributes,
@@ -285,8 +285,7 @@ def _build_artifact(
     except Exception as err:  # noqa: BLE001 - any failure: run eagerly (NOTE [graph mode])
         return Artifact(None, _reason(err)), None
     traced = time.perf_counter()
-    constants = graph_constants(graph) if mode == "inductor" else []
-    versions = [t._version for t in constants]
+    constants = WrittenConstants(graph) if mode == "inductor" else None
     try:
         first, dropped = checked_first_run(impl, graph, inputs, grad_enabled)  # NOTE [checking a trace against eager]
     except FirstRunNotUndone as err:  # eagerly from the next call; this one fails
@@ -302,9 +301,8 @@ def _build_artifact(
             _compile(artifact, graph, inputs, out_specs)
         except Exception as err:  # noqa: BLE001 - the graph's first run stands; eagerly from now on
             return Artifact(None, _reason(err)), first
-        written = [t for t, version in zip(constants, versions) if t._version != version]
         try:
-            wrong = compiled_disagreement(graph, artifact.run, inputs, written)
+            wrong = compiled_disagreement(graph, artifact.run, inputs, constants.since())
         except Exception as err:  # noqa: BLE001 - inductor's kernels fail where the graph runs
             wrong = f"failed ({_reason(err)}) where the traced graph runs"
         if wrong is not None:  # NOTE [checking inductor against the trace] in trace_check.py

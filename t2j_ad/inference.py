@@ -69,6 +69,10 @@ from .runtime import InputMutationError, TorchCallError, mutation_message
 from .torch_fn import Aval
 
 
+# Refusals a trial run raises for the function itself, never taken for a
+# missing meta kernel or an op that needs real data.
+_RAISED_AS_THEY_ARE = (InputMutationError, UninitializedModuleError, ModuleChangedError)
+
 _META = torch.device("meta")
 _CPU = torch.device("cpu")
 
@@ -168,7 +172,7 @@ def infer_outputs(
     try:
         outputs, effects = _run(fn, avals, _META, name, modules=modules, dicts=dicts)
         return Inferred(outputs, _META, effects)
-    except (InputMutationError, UninitializedModuleError, ModuleChangedError):
+    except _RAISED_AS_THEY_ARE:
         raise
     except Exception:  # noqa: BLE001 - no meta kernel, or needs real data
         pass
@@ -176,7 +180,7 @@ def infer_outputs(
     for where in devices_to_try(device):
         try:
             outputs, effects = _run(fn, avals, where, name, modules=modules, dicts=dicts)
-        except (InputMutationError, UninitializedModuleError, ModuleChangedError):
+        except _RAISED_AS_THEY_ARE:
             raise
         except Exception as err:  # noqa: BLE001 - reported below if no device works
             first = first or (where, err)
@@ -212,7 +216,7 @@ def _checked_on_ones(
     )
     try:
         on_ones, ones_effects = _run(fn, avals, where, name, torch.ones, modules, dicts)
-    except (InputMutationError, UninitializedModuleError, ModuleChangedError):
+    except _RAISED_AS_THEY_ARE:
         raise
     except Exception as err:  # noqa: BLE001 - only an empty output needs the run on ones
         if not empty:

@@ -83,7 +83,7 @@ import jax
 import torch
 
 from .api import JaxifiedFunction, check_batch_argnums
-from .convert import call_device, copy_to_jax, torch_device
+from .convert import call_device, copy_to_jax, jax_dtype, torch_device
 from .module_modes import refuse_uninitialized
 from .module_structure import ModuleChangedError
 
@@ -94,7 +94,7 @@ def _warn_narrowed_params_beside_wide_buffers(module: torch.nn.Module, params: M
     stay as they are: PyTorch then refuses every call that mixes them
     ("expected scalar type Float but found Double"), naming neither x64 nor
     the buffers. Said here, once, by name."""
-    narrowed = [n for n, p in module.named_parameters() if p.dtype in _WIDE and params[n].dtype != _jax_name(p.dtype)]
+    narrowed = [n for n, p in module.named_parameters() if p.dtype in _WIDE and params[n].dtype != jax_dtype(p.dtype)]
     wide = [n for n, b in module.named_buffers() if b.dtype in _WIDE]
     if narrowed and wide:
         warnings.warn(
@@ -109,10 +109,6 @@ def _warn_narrowed_params_beside_wide_buffers(module: torch.nn.Module, params: M
 
 
 _WIDE = (torch.float64, torch.complex128)
-
-
-def _jax_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class _BuffersByDevice:

@@ -66,17 +66,17 @@ class StructureSeen:
     def __init__(self, modules: Sequence[Any]) -> None:
         self._modules = tuple(modules)
         self._registered = _registered[0]
-        self._structure = _structure(self._modules) if self._modules else ()
+        self._structure = self.now()
 
     def now(self) -> tuple[Any, ...]:
         """The structure of the modules as it is now."""
-        return _structure(self._modules) if self._modules else ()
+        return _structure(self._modules)
 
     def holds(self) -> bool:
         registered = _registered[0]
         if registered == self._registered or not self._modules:
             return True
-        if _structure(self._modules) != self._structure:
+        if self.now() != self._structure:
             return False
         self._registered = registered  # something else was registered: nothing to walk next time
         return True

@@ -129,6 +129,18 @@ def graph_constants(graph: torch.fx.GraphModule) -> list[torch.Tensor]:
     return list(found.values())
 
 
+class WrittenConstants:
+    """The tensors a graph holds by reference (``graph_constants``), with
+    their versions when made; ``since()``: those written in place since."""
+
+    def __init__(self, graph: torch.fx.GraphModule) -> None:
+        self._constants = graph_constants(graph)
+        self._versions = [t._version for t in self._constants]
+
+    def since(self) -> list[torch.Tensor]:
+        return [t for t, version in zip(self._constants, self._versions) if t._version != version]
+
+
 class FirstRunNotUndone(RuntimeError):
     """A graph disagreed with eager after its first run had written to tensors
     the function updates in place: that call cannot be given eager's results.
@@ -173,13 +185,12 @@ def checked_first_run(
     (NOTE [checking a trace against eager]). Raises ``FirstRunNotUndone``
     when the graph is wrong but its first run has already updated state."""
     devices = sorted({t.device.index or 0 for t in inputs if t.is_cuda})
-    constants = graph_constants(graph)
-    versions = [t._version for t in constants]
+    constants = WrittenConstants(graph)
     before = _State(devices)
     results, diverged = run_checking_layouts(graph, inputs)
     if diverged is None:
         return results, None
-    written = [t for t, version in zip(constants, versions) if t._version != version]
+    written = constants.since()
 
     def eager() -> Any:
         with torch.autograd.set_grad_enabled(grad_enabled):
