@@ -163,9 +163,11 @@ def _first_row_on_meta(x: torch.Tensor) -> torch.Tensor:
 def test_an_output_of_a_dtype_jax_lacks_that_meta_did_not_predict_is_named():
     """quantize_per_tensor is float32 on the meta device and quint8 for real:
     formatting the mismatch raised a bare UnsupportedDtypeError, naming
-    neither the function nor the output."""
+    neither the function nor the output. (torch 2.11's meta kernel gives
+    quint8 already: the inference then refuses the dtype, naming both too.)"""
     f = t2j_ad.jaxify(lambda x: torch.quantize_per_tensor(x, 0.1, 0, torch.quint8))
-    with pytest.raises(RUNTIME_ERRORS, match=r"<lambda>: output has dtype torch\.quint8, but float32 was expected"):
+    named = r"<lambda>: output( has dtype torch\.quint8, but float32 was expected|: torch dtype torch\.quint8 cannot cross)"
+    with pytest.raises(RUNTIME_ERRORS, match=named):
         jax.block_until_ready(f(jnp.ones(2)))
 
 

@@ -364,10 +364,12 @@ def test_a_lazy_module_not_yet_run_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"lazy module LazyLinear .* Run the module once in PyTorch"):
         t2j_ad.jaxify_module(net)
     net(torch.ones(2, 4))  # as the message says
+    net.to(TORCH_DEVICE)
+    expected = to_numpy(net(torch.ones(2, 4, device=TORCH_DEVICE)))
     f = t2j_ad.jaxify(lambda x: net(x))
-    np.testing.assert_allclose(f(jnp.ones((2, 4))), net(torch.ones(2, 4)).detach().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(f(jnp.ones((2, 4))), expected, rtol=1e-6)
     apply, params = t2j_ad.jaxify_module(net)
-    np.testing.assert_allclose(apply(params, jnp.ones((2, 4))), net(torch.ones(2, 4)).detach().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(apply(params, jnp.ones((2, 4))), expected, rtol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
@@ -396,7 +398,7 @@ def test_with_x64_off_a_float64_module_with_float64_buffers_warns_by_name():
     """Its parameters became float32 JAX arrays, its buffers stayed float64,
     and every call failed in PyTorch ("expected scalar type Float but found
     Double") with no word of x64 or the buffers."""
-    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double()
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double().to(TORCH_DEVICE)
     with jax.enable_x64(False):
         with pytest.warns(UserWarning, match=r"jax_enable_x64 is off.*64-bit buffers \(1\.running_mean, 1\.running_var\)"):
             t2j_ad.jaxify_module(net)

@@ -296,15 +296,15 @@ def test_a_module_cache_keeps_no_meta_or_fake_tensor(mode, x64):
     (PyTorch's CPU matmul returned uninitialized memory), in later PyTorch
     calls of the module too."""
     torch.manual_seed(0)
-    module = _CachedBasis()
-    reference = _CachedBasis()
+    module = _CachedBasis().to(TORCH_DEVICE)
+    reference = _CachedBasis().to(TORCH_DEVICE)
     reference.load_state_dict(module.state_dict())
-    x = torch.randn(2, 4, dtype=torch.float64)
+    x = torch.randn(2, 4, dtype=torch.float64).to(TORCH_DEVICE)
     apply, params = t2j_ad.jaxify_module(module, compile=mode)
-    expected = reference(x).detach().numpy()
-    np.testing.assert_allclose(apply(params, jnp.asarray(x.numpy())), expected, rtol=1e-12)
-    assert all(t.device.type == "cpu" and type(t) is torch.Tensor for t in module._basis.values())
-    np.testing.assert_allclose(module(x).detach().numpy(), expected, rtol=1e-12)
+    expected = to_numpy(reference(x))
+    np.testing.assert_allclose(apply(params, jnp.asarray(to_numpy(x))), expected, rtol=1e-12)
+    assert all(t.device == TORCH_DEVICE and type(t) is torch.Tensor for t in module._basis.values())
+    np.testing.assert_allclose(to_numpy(module(x)), expected, rtol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
@@ -318,7 +318,7 @@ def test_a_global_cache_keyed_on_device_keeps_no_fake_tensor(mode, x64):
     expected_grad = torch.func.grad(lambda t: _scaled_by_table(t).sum())(torch.tensor([0.1, 1.0, 2.0], dtype=torch.float64))
     _TABLES.clear()
     np.testing.assert_allclose(jax.grad(lambda x: f(x).sum())(x), expected_grad.numpy(), rtol=1e-12)
-    assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in _TABLES.values())
+    assert all(type(t) is torch.Tensor and t.device == TORCH_DEVICE for t in _TABLES.values())
     assert type(_scaled_by_table(torch.ones(3, dtype=torch.float64))) is torch.Tensor
 
 
@@ -329,8 +329,8 @@ def test_a_function_that_calls_another_jaxified_function_infers_its_shapes():
     inner = t2j_ad.jaxify(lambda x: x.sin() * 3)
 
     def outer(x):
-        y = np.array(inner(x.numpy()))
-        return torch.as_tensor(y) * x
+        y = np.array(inner(x.cpu().numpy()))
+        return torch.as_tensor(y, device=x.device) * x
 
     x = jnp.array([0.2, 0.5], dtype=jnp.float32)
     expected = np.sin([0.2, 0.5]) * 3 * np.array([0.2, 0.5])
@@ -355,7 +355,7 @@ def test_kept_state_updated_by_foreach_or_through_data_is_written_once_per_value
     ema.data is a new tensor object on every run, so the runs on zeros and on
     ones named different slots, and the function was refused as one that
     updates its state differently for different values."""
-    ema = torch.zeros(2)
+    ema = torch.zeros(2, device=TORCH_DEVICE)
 
     def f(x):
         update(ema)
@@ -377,9 +377,9 @@ class _TableHolder:
     def __init__(self):
         self.cache = {}
 
-    def table(self, n, dtype):
+    def table(self, n, dtype, device):
         if n not in self.cache:
-            self.cache[n] = torch.linspace(0.5, 1.5, n, dtype=dtype)
+            self.cache[n] = torch.linspace(0.5, 1.5, n, dtype=dtype, device=device)
         return self.cache[n]
 
 
@@ -390,8 +390,8 @@ def test_a_cache_in_a_plain_object_the_function_names_keeps_no_meta_tensor():
     _HOLDER.cache.clear()
 
     def f(x):
-        return x * _HOLDER.table(x.shape[-1], x.dtype)
+        return x * _HOLDER.table(x.shape[-1], x.dtype, x.device)
 
     x = jnp.array([1.0, 2.0, 3.0])
     np.testing.assert_allclose(t2j_ad.jaxify(f)(x), [0.5, 2.0, 4.5])
-    assert all(t.device.type == "cpu" for t in _HOLDER.cache.values())
+    assert all(t.device == TORCH_DEVICE for t in _HOLDER.cache.values())
