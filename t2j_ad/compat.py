@@ -22,6 +22,9 @@ errors, and hands the work to ``JaxifiedFunction``:
   float64 output is returned in 32 bits. Outputs are matched to
   ``output_shapes`` leaf by leaf, so a list declared for a returned tuple
   fits, as it does in torch2jax.
+- The run on meta tensors that infers output shapes runs without grad, as
+  torch2jax's does (its suite checks ``torch.is_grad_enabled()`` there); the
+  calls themselves run with grad mode on, as every t2j_ad call does.
 - There is no ``depth``: every derivative is a PyTorch function that goes
   through the same primitive (NOTE [every derivative is a PyTorch function]
   in torch_fn.py), so ``jax.grad`` composes to any order and ``jax.jvp``,
@@ -250,7 +253,12 @@ def _torch_side(fn: Callable[..., Any], torch_dtypes: Sequence[torch.dtype], out
         leaves, in_tree = jax.tree.flatten((args, kwargs))
         leaves = [_as_example_dtype(t, dt) for t, dt in zip(leaves, torch_dtypes)]
         args, kwargs = jax.tree.unflatten(in_tree, leaves)
-        out = jax.tree.map(_as_jax_dtype, fn(*args, **kwargs))
+        if any(type(t) is torch.Tensor and t.is_meta for t in leaves):
+            with torch.no_grad():  # the inference run, as torch2jax makes it
+                out = fn(*args, **kwargs)
+        else:
+            out = fn(*args, **kwargs)
+        out = jax.tree.map(_as_jax_dtype, out)
         if out_tree is not None:
             outs = jax.tree.leaves(out)
             if len(outs) == out_tree.num_leaves:

@@ -208,6 +208,23 @@ def test_without_output_shapes_runs_once_on_meta(wrap):
     assert calls.count("meta") == 1
 
 
+@pytest.mark.parametrize("wrap", [torch2jax, torch2jax_with_vjp])
+def test_inference_runs_on_meta_without_grad_and_calls_with_grad(wrap):
+    """torch2jax infers output shapes on meta tensors without grad (its
+    suite's test_shape_inference checks it); since calls run with grad mode
+    on (NOTE [calls run with grad mode on]), inference ran with it too."""
+    seen = []
+
+    def fn(x):
+        seen.append((x.device.type, torch.is_grad_enabled()))
+        return 2 * x
+
+    jax_fn = wrap(fn, randn(4, 3))
+    assert seen == [("meta", False)]
+    assert_tree_allclose(jax.grad(lambda x: jax_fn(x).sum())(jnp.ones((4, 3))), 2 * jnp.ones((4, 3)))
+    assert seen[1:] and all(on_grad for device, on_grad in seen[1:] if device != "meta"), seen
+
+
 def test_output_shapes_pytrees():
     def torch_fn(x, y):
         return {"sum": x + y, "parts": (x.sum(), y.argmax())}
