@@ -65,6 +65,14 @@ T = TypeVar("T")
 # thread need not be the call's).
 _external_streams: dict[tuple[int, int], Any] = {}
 
+# CUDA events recorded and waited on by the C methods that torch.cuda.Event's
+# record and wait end in: each Python wrapper (and Stream.wait_event, which
+# calls Event.wait) cost about a microsecond on an H100's host, four per call.
+# A build without CUDA has a placeholder base class: the wrappers then.
+_event_base = getattr(torch._C, "_CudaEventBase", None)
+_record_event = getattr(_event_base, "record", torch.cuda.Event.record)  # (event, stream)
+_wait_event = getattr(_event_base, "wait", torch.cuda.Event.wait)  # (event, stream): stream waits for event
+
 
 def external_stream(stream: int, device: int) -> Any:
     """``torch.cuda.ExternalStream`` for XLA's stream pointer on GPU ``device``."""
@@ -174,13 +182,13 @@ class StreamOrder:
         """``fn(*args)`` (which queues work on ``target``, the current stream)
         after ``caller``'s queued work, and ``caller`` after it."""
         before, after = self._events(target.device_index)
-        before.record(caller)
-        target.wait_event(before)
+        _record_event(before, caller)
+        _wait_event(before, target)
         try:
             return fn(*args)
         finally:
-            after.record(target)
-            caller.wait_event(after)
+            _record_event(after, target)
+            _wait_event(after, caller)
 
 
 class StreamRunner:
