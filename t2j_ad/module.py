@@ -83,7 +83,7 @@ import jax
 import torch
 
 from .api import JaxifiedFunction, check_batch_argnums
-from .convert import call_device, copy_to_jax, jax_dtype, torch_device
+from .convert import call_device, copy_to_jax, jax_dtype, torch_device, torch_dtype
 from .module_modes import refuse_uninitialized
 from .module_structure import ModuleChangedError
 
@@ -297,6 +297,27 @@ def _check_device(device: Any) -> None:
     )
 
 
+def _note_recast_params(err: Exception, params: Mapping[str, torch.Tensor], given: Mapping[str, torch.dtype]) -> None:
+    """Name, on ``err`` (a failure inside the module), the entries of
+    ``params`` whose dtype is not the one jaxify_module gave them: PyTorch
+    then fails with a dtype mismatch that names no parameter (a float16 bias
+    in a float32 Linear: "self and mat2 must have the same dtype")."""
+    recast = [
+        f"params[{k!r}] is {_name(t.dtype)} where jaxify_module gave {_name(given[k])}"
+        for k, t in params.items()
+        if k in given and t.dtype != given[k]
+    ]
+    if recast:
+        err.add_note(
+            f"{'; '.join(recast)}. PyTorch computes with the dtypes it is given: cast every parameter and "
+            f"the inputs alike, or pass those entries in the dtypes jaxify_module gave them."
+        )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _check_params(params: Any, expected: Mapping[str, jax.Array]) -> None:
     if not isinstance(params, Mapping):
         raise TypeError(
@@ -392,8 +413,12 @@ def jaxify_module(
             slots = slots_now.now()  # the module as it is now, as functional_call found it
             if slots_now.unbound:
                 raise _unbound_params_error(module, slots_now.unbound)
-            with _bound(slots.params, params), _bound(slots.buffers, copies):
-                return module(*args, **kwargs)
+            try:
+                with _bound(slots.params, params), _bound(slots.buffers, copies):
+                    return module(*args, **kwargs)
+            except Exception as err:
+                _note_recast_params(err, params, given_dtypes)
+                raise
 
     forward.__qualname__ = f"{type(module).__name__}.forward"
     nums = check_batch_argnums(batch_argnums)
@@ -405,6 +430,7 @@ def jaxify_module(
         return jaxified(dict(params), *args, **kwargs)
 
     reference = dict(params)
+    given_dtypes = {name: torch_dtype(p.dtype) for name, p in params.items()}
     apply.jaxified = jaxified  # type: ignore[attr-defined]
     apply.compile_stats = jaxified.compile_stats  # type: ignore[attr-defined]
     apply.__qualname__ = forward.__qualname__

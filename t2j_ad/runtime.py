@@ -521,8 +521,9 @@ class _Runner:
         return True
 
     def _failure(self, err: Exception) -> TorchCallError:
+        notes = "".join(f"\n{note}" for note in getattr(err, "__notes__", ()))  # e.g. module._note_recast_params
         return TorchCallError(
-            f"the PyTorch function {self.name} raised {type(err).__name__}: {err}\n\n"
+            f"the PyTorch function {self.name} raised {type(err).__name__}: {err}{notes}\n\n"
             f"PyTorch traceback:\n{''.join(traceback.format_exception(err))}"
         )
 

@@ -409,6 +409,22 @@ def test_with_x64_off_a_float64_module_with_float64_buffers_warns_by_name():
         np.testing.assert_allclose(apply(params, x), to_numpy(expected), rtol=1e-5, atol=1e-6)
 
 
+def test_a_params_entry_cast_alone_is_named_in_pytorchs_dtype_error():
+    """A float16 bias in a float32 Linear failed inside PyTorch ("self and
+    mat2 must have the same dtype") naming no parameter; the meta kernel
+    accepts it, so nothing failed before the call."""
+    net = nn.Sequential(nn.Linear(3, 2)).to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(net)
+    bad = {**params, "0.bias": params["0.bias"].astype(jnp.float16)}
+    with pytest.raises(Exception, match=r"params\['0\.bias'\] is float16 where jaxify_module gave float32"):
+        jax.block_until_ready(jax.jit(apply)(bad, jnp.ones((4, 3))))
+    # Every parameter and the input cast alike is PyTorch's own mixed precision: it runs.
+    half = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    x = jnp.ones((4, 3), jnp.bfloat16)
+    expected = torch.func.functional_call(net, {k: to_torch(v.astype(jnp.float32)).bfloat16() for k, v in params.items()}, (to_torch(x.astype(jnp.float32)).bfloat16(),))
+    np.testing.assert_array_equal(np.asarray(apply(half, x).astype(jnp.float32)), to_numpy(expected.float()))
+
+
 def test_params_of_a_parameter_renamed_after_jaxify_module_are_refused_by_name():
     """prune renames weight to weight_orig: params['0.weight'] was then bound
     nowhere, silently (its gradient 0, its value ignored), where
