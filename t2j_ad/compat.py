@@ -206,7 +206,9 @@ def _format_key(key: tuple[Any, ...]) -> str:
 
 
 def _is_shape(x: Any) -> bool:
-    return isinstance(x, (list, tuple)) and all(isinstance(d, int) for d in x)
+    # NumPy integers too: np.prod(shape) and tuple(np.array(shape)) make them,
+    # and as leaves (they have .shape and .dtype) they read as 0-d int outputs.
+    return isinstance(x, (list, tuple)) and all(isinstance(d, (int, np.integer)) for d in x)
 
 
 def _normalize_output_shapes(output_shapes: Any, example_dtypes: Sequence[torch.dtype]) -> Any:
@@ -222,7 +224,7 @@ def _normalize_output_shapes(output_shapes: Any, example_dtypes: Sequence[torch.
             structs.append(jax.ShapeDtypeStruct(tuple(leaf.shape), canonical_jax_dtype(dtype_t2j(leaf.dtype))))
         elif _is_shape(leaf):
             dtype = _default_float(example_dtypes, f"output_shapes{jax.tree_util.keystr(path)}")
-            structs.append(jax.ShapeDtypeStruct(tuple(leaf), dtype))
+            structs.append(jax.ShapeDtypeStruct(tuple(int(d) for d in leaf), dtype))
         else:
             raise TypeError(
                 f"output_shapes{jax.tree_util.keystr(path)} is a {type(leaf).__name__}; give "
@@ -328,6 +330,7 @@ class Torch2JaxFunction:
         # The examples as JAX sees them (an int64 tensor is int32 with x64 off).
         structs = [jax.ShapeDtypeStruct(tuple(x.shape), _canonical(dt)) for x, dt in zip(leaves, torch_dtypes)]
         self._example_key = _signature_key(structs)
+        self._example_shapes = [s.shape for s in structs]  # for __reduce__
         self._nondiff = tuple(nondiff) if nondiff is not None and any(nondiff) else None
         self._warned: set[Any] = set()
         self._out_specs = out_specs
@@ -352,6 +355,18 @@ class Torch2JaxFunction:
 
     def __repr__(self) -> str:
         return f"<torch2jax {self._inferred.name}>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from the function and the examples as meta tensors of the
+        # examples' torch dtypes (its closures do not pickle; pickle blamed the
+        # user's function, whose name they carry). Needs fn to pickle.
+        metas = [torch.empty(s, dtype=dt, device="meta") for s, dt in zip(self._example_shapes, self._torch_dtypes)]
+        examples = jax.tree.unflatten(self._in_tree, metas)
+        args, kw = examples if self._has_kw else (examples, None)
+        options = dict(
+            output_shapes=self._declared_shapes, nondiff=self._nondiff, out_specs=self._out_specs, **self._options
+        )
+        return (_rebuilt, (self._fn, tuple(args), kw, options))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs and not self._has_kw:
@@ -412,6 +427,11 @@ class Torch2JaxFunction:
             UserWarning,
             stacklevel=3,
         )
+
+
+def _rebuilt(fn: Callable[..., Any], args: tuple[Any, ...], kw: Any, options: dict[str, Any]) -> Torch2JaxFunction:
+    """A pickled ``Torch2JaxFunction`` made again (``Torch2JaxFunction.__reduce__``)."""
+    return Torch2JaxFunction(fn, args, kw, **options)
 
 
 # --------------------------------------------------------------- the API

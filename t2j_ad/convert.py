@@ -93,6 +93,16 @@ def on_another_device(function: str, output: str, device: torch.device, call_dev
     )
 
 
+def _refuse_float0(x: Any) -> None:
+    """Refuse JAX's float0, which ``jnp.asarray`` cannot even hold."""
+    if getattr(x, "dtype", None) == jax.dtypes.float0:
+        raise UnsupportedDtypeError(
+            "j2t: x has dtype float0, the dtype of the gradient of an integer input (jax.grad(..., allow_int=True)), "
+            "which holds no numbers to share with PyTorch; leave such leaves out, or pass "
+            "jnp.zeros(x.shape, the input's dtype) for them."
+        )
+
+
 def single_device(x: Any) -> tuple[jax.Array, jax.Device]:
     """``x`` as a JAX array, and the one device it lives on.
 
@@ -180,6 +190,7 @@ def j2t(x: Any) -> torch.Tensor:
         ArrayConversionError: as ``single_device``.
         UnsupportedDtypeError: ``x``'s dtype has no torch counterpart.
     """
+    _refuse_float0(x)
     x, _ = single_device(x)
     torch_dtype(x.dtype)  # refuse unsupported dtypes with our message
     return torch.from_dlpack(x)
@@ -188,6 +199,7 @@ def j2t(x: Any) -> torch.Tensor:
 def copy_to_torch(x: Any) -> torch.Tensor:
     """A torch tensor holding a copy of the JAX array ``x``, made through
     host memory, on the torch device matching ``x``'s (raises as ``j2t``)."""
+    _refuse_float0(x)
     x, device = single_device(x)
     dtype = torch_dtype(x.dtype)
     value = np.array(x)

@@ -225,6 +225,43 @@ def test_inference_runs_on_meta_without_grad_and_calls_with_grad(wrap):
     assert seen[1:] and all(on_grad for device, on_grad in seen[1:] if device != "meta"), seen
 
 
+def _doubled(x):
+    return x * 2
+
+
+def test_output_shapes_of_numpy_integers_are_shapes():
+    """np.prod(shape) is a NumPy integer, which has .shape and .dtype: the
+    shape (6,) was read as one 0-d int32 output, and the call refused the
+    function's (6,) output as "() was expected, as declared by output_shapes"."""
+    xt = randn(2, 3)
+    flat = torch2jax(lambda x: x.reshape(-1), xt, output_shapes=(np.prod(xt.shape),))
+    assert_tree_allclose(flat(jnp.ones((2, 3))), jnp.ones(6))
+    doubled = torch2jax(_doubled, xt, output_shapes=tuple(np.array(xt.shape)))
+    assert_tree_allclose(doubled(jnp.ones((2, 3))), 2 * jnp.ones((2, 3)))
+
+
+@pytest.mark.parametrize("wrap", [torch2jax, torch2jax_with_vjp])
+def test_a_wrapped_module_level_function_pickles(wrap):
+    """pickle failed naming the user's function ("not the same object as
+    test_compat._doubled"), which does pickle: the wrapper's closure carried its name."""
+    import pickle
+
+    jax_fn = wrap(_doubled, randn(3), output_shapes=Size([3]))
+    again = pickle.loads(pickle.dumps(jax_fn))
+    x = jnp.arange(3.0)
+    assert_tree_allclose(again(x), 2 * x)
+    assert_tree_allclose(jax.grad(lambda x: again(x).sum())(x), 2 * jnp.ones(3))
+
+
+def test_j2t_of_a_float0_gradient_is_refused_by_name():
+    """jax.grad(..., allow_int=True) gives integer inputs float0 gradients:
+    j2t raised AttributeError: 'TypedNdArray' object has no attribute 'devices'."""
+    g = jax.grad(lambda x, i: (x * i).sum(), argnums=1, allow_int=True)(jnp.ones(2), jnp.arange(2))
+    for via in ("dlpack", "host"):
+        with pytest.raises(TypeError, match="j2t: x has dtype float0"):
+            j2t(g, via=via)
+
+
 def test_output_shapes_pytrees():
     def torch_fn(x, y):
         return {"sum": x + y, "parts": (x.sum(), y.argmax())}
