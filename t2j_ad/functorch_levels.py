@@ -42,8 +42,9 @@ mode, which ``torch.func`` handles specially, each call takes the public path.
 from __future__ import annotations
 
 import contextlib
+import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.func
@@ -246,6 +247,48 @@ def outside_transforms() -> contextlib.AbstractContextManager[None]:
     level (a wrapped tensor has no storage to read bytes from)."""
     disable = getattr(torch._C, "_DisableFuncTorch", None)  # private
     return disable() if disable is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def dispatch_keys_kept() -> Iterator[None]:
+    """The thread's dispatch keys, included and excluded, as they were before
+    the block, also after it failed.
+
+    NOTE [a failed trace's dispatch keys]
+    A graph-mode trace of jax.jvp over a module that updates a buffer with
+    ``lerp_(end, <tensor weight>)`` under no_grad failed inside PyTorch (an
+    INTERNAL ASSERT in ``_fw_primal``) and left the calling thread with
+    ADInplaceOrView, Autograd, Functionalize, the functorch and Python keys
+    excluded: from then on the eager fallback, and every ``torch.func.jvp``
+    on that thread, t2j_ad's or not, hit the same assert. So a trace puts
+    the thread's local dispatch key sets back where it changed them.
+    """
+    tls = torch._C
+    included, excluded = tls._dispatch_tls_local_include_set(), tls._dispatch_tls_local_exclude_set()
+    try:
+        yield
+    except BaseException as err:
+        _free_frames(err)
+        raise
+    finally:
+        now_in, now_ex = tls._dispatch_tls_local_include_set(), tls._dispatch_tls_local_exclude_set()
+        if (now_in.raw_repr(), now_ex.raw_repr()) != (included.raw_repr(), excluded.raw_repr()):
+            for key in torch._C.DispatchKey.__members__.values():
+                if now_ex.has(key) != excluded.has(key):
+                    tls._dispatch_tls_set_dispatch_key_excluded(key, excluded.has(key))
+                if now_in.has(key) != included.has(key):
+                    tls._dispatch_tls_set_dispatch_key_included(key, included.has(key))
+
+
+def _free_frames(err: BaseException) -> None:
+    """Drop the locals of the frames ``err`` and the exceptions it chains
+    hold: a guard object PyTorch keeps in a local sets the dispatch keys it
+    saved when it is freed, which would otherwise be whenever ``err`` is."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__
 
 
 def direct_path_works() -> bool:

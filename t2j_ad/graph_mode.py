@@ -67,6 +67,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode  # private: NOTE [what a trace leaves behind]
 
+from .functorch_levels import dispatch_keys_kept
 from .fx_sources import forget_sources, recompile, source_key
 from .module_modes import ModuleModes, modes_hold, recording_module_modes
 from .output_buffers import (
@@ -208,7 +209,7 @@ def trace(
     dispatch_cache = FakeTensorMode.cache
     before = set(dispatch_cache)
     try:
-        with _fake_tensor_log_quiet():
+        with _fake_tensor_log_quiet(), dispatch_keys_kept():  # NOTE [a failed trace's dispatch keys]
             graph = contextvars.copy_context().run(run)
     finally:
         for key in [k for k in dispatch_cache if k not in before]:

@@ -1287,3 +1287,44 @@ def test_a_submodule_replaced_after_a_trace_is_traced_again():
         np.testing.assert_allclose(f(x), to_numpy(net(to_torch(x))), rtol=1e-6)
         net[1] = torch.nn.ReLU()
         np.testing.assert_allclose(f(x), to_numpy(net(to_torch(x))), rtol=1e-6, atol=1e-7)
+
+
+class _LerpedBuffer(torch.nn.Module):
+    """Updates a buffer with lerp_ and a tensor weight, under no_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3).double()
+        self.register_buffer("scale", torch.ones(3, dtype=torch.float64))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.scale.lerp_(x.mean(0), torch.tensor(0.5, dtype=x.dtype, device=x.device))
+        return torch.tanh(self.lin(x) / self.scale)
+
+
+def test_a_failed_jvp_trace_leaves_the_threads_dispatch_keys_as_they_were(x64):
+    """NOTE [a failed trace's dispatch keys]: the trace of this jvp fails
+    inside PyTorch, and the frames of its error held a guard that, freed
+    later, left ADInplaceOrView and Autograd excluded on the thread: the
+    eager fallback, and every torch.func.jvp after it, hit an INTERNAL ASSERT."""
+    torch.manual_seed(0)
+    module = _LerpedBuffer().to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(module, compile="graph")
+    x = jnp.arange(6.0).reshape(2, 3) / 6
+    ones = jax.tree.map(jnp.ones_like, params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        value, tangent = jax.jvp(lambda p: jnp.sum(apply(p, x) ** 2), (params,), (ones,))
+    scale = 0.5 + 0.5 * x.mean(0)  # the buffer after the call's one update, constant to the derivative
+
+    def loss(p):
+        return jnp.sum(jnp.tanh((x @ p["lin.weight"].T + p["lin.bias"]) / scale) ** 2)
+
+    expected_value, expected_tangent = jax.jvp(loss, (params,), (ones,))
+    np.testing.assert_allclose(value, expected_value, rtol=1e-12)
+    np.testing.assert_allclose(tangent, expected_tangent, rtol=1e-12)
+    np.testing.assert_allclose(to_numpy(module.scale), scale, rtol=1e-12)
+    assert not torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.ADInplaceOrView)
+    sin_tangent = torch.func.jvp(torch.sin, (torch.zeros(2),), (torch.ones(2),))[1]
+    np.testing.assert_allclose(to_numpy(sin_tangent), [1.0, 1.0])
