@@ -433,3 +433,29 @@ def test_pmap_gradients_of_a_stateful_module_start_from_each_devices_state():
             used = sorted(float(a) for a in (y / x4)[:, 0])
             assert np.allclose(used, [1 - 0.5 ** (4 * (step - 1) + k) for k in range(1, 5)]), used
             assert float(module.average) == pytest.approx(1 - 0.5 ** (4 * step))
+
+
+def test_a_call_with_effects_under_a_sharded_jit_is_refused_naming_shard_map(mesh):
+    """NOTE [a call with effects on a mesh]: dropout, or a module in training
+    mode, under a jax.jit over the mesh failed to compile with XLA's
+    internal error ("Side-effect HLO must have sharding"), its inputs
+    sharded or not; inside shard_map each device runs its own shard."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(3).train()
+    apply, params = t2j_ad.jaxify_module(bn, device=NamedSharding(mesh, P()))
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+    drop = t2j_ad.jaxify(lambda x: torch.nn.functional.dropout(x, 0.5))
+    for spec in (P(), P("b")):
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        with pytest.raises(NotImplementedError, match=r"BatchNorm1d.forward draws random numbers .* over 4 devices.*jax.shard_map"):
+            jax.jit(apply)(params, xs)
+        with pytest.raises(NotImplementedError, match=r"over 4 devices.*jax.shard_map"):
+            jax.jit(drop)(xs)
+    per_shard = jax.jit(
+        jax.shard_map(lambda p, x: apply(p, x), mesh=mesh, in_specs=(P(), P("b")), out_specs=P("b"))
+    )(params, jax.device_put(x, NamedSharding(mesh, P("b"))))
+    shards = x.reshape(4, 2, 3)  # each device normalizes its own 2 rows, as BatchNorm does in training
+    mean, var = shards.mean(1, keepdims=True), shards.var(1, keepdims=True)
+    expected = ((shards - mean) / np.sqrt(var + bn.eps)).reshape(8, 3)
+    np.testing.assert_allclose(np.asarray(per_shard), expected, rtol=1e-4, atol=1e-5)
+    assert int(bn.num_batches_tracked) == 4  # one update per device's call, as 4 PyTorch calls make
