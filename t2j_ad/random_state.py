@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -70,6 +70,22 @@ class _GeneratorsPutBack(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
+def draws(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether the op ``func``, called with ``args`` and ``kwargs``, draws
+    random numbers: PyTorch tags it so, unless it takes a ``dropout_p`` and
+    gets 0. The kernels of scaled_dot_product_attention carry the tag at
+    dropout_p=0 too and draw nothing there: an eval-mode TransformerEncoder
+    given both a causal and a padding mask was taken for a function that
+    draws, and its per-example gradients were refused or ran eagerly."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name == "dropout_p":
+            p = kwargs["dropout_p"] if "dropout_p" in kwargs else args[i] if i < len(args) else argument.default_value
+            return p != 0
+    return True
+
+
 class RandomOpsSeen(_GeneratorsPutBack):
     """Within the block, notes whether an op that draws random numbers ran
     (``seen``), and counts the draws from generators passed as
@@ -83,7 +99,7 @@ class RandomOpsSeen(_GeneratorsPutBack):
         self.given = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if draws(func, args, kwargs or {}):
             self.seen = True
         generator = _given_generator(func, kwargs)
         if generator is not None:

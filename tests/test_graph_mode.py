@@ -1328,3 +1328,55 @@ def test_a_failed_jvp_trace_leaves_the_threads_dispatch_keys_as_they_were(x64):
     assert not torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.ADInplaceOrView)
     sin_tangent = torch.func.jvp(torch.sin, (torch.zeros(2),), (torch.ones(2),))[1]
     np.testing.assert_allclose(to_numpy(sin_tangent), [1.0, 1.0])
+
+
+class _CausalPaddedEncoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, dtype=torch.float64)
+        self.enc = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def forward(self, x, pad):
+        # Made on the CPU, as users write it: on meta inputs the meta run then
+        # fails, and inference runs the model for real, on the CPU.
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+        return self.enc(x, mask=causal, is_causal=True, src_key_padding_mask=pad)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the model makes its causal mask on the CPU, which CUDA inputs would meet")
+def test_attention_at_dropout_p_zero_is_no_random_op(x64):
+    """scaled_dot_product_attention's CPU flash kernel carries PyTorch's
+    random-op tag at dropout_p=0 too: an eval-mode encoder given a causal
+    and a padding mask (whose meta run fails, so inference runs it for
+    real) was taken for a function that draws, and its per-example
+    gradients ran eagerly, or were refused with vmap_method="expand_dims"."""
+    torch.manual_seed(0)
+    model = _CausalPaddedEncoder().eval()
+    x = np.random.default_rng(0).normal(size=(3, 4, 8))
+    pad = np.zeros((3, 4), bool)
+    pad[0, 3] = True
+    apply, params = t2j_ad.jaxify_module(model, compile="graph", vmap_method="expand_dims")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # PyTorch's own: mask types, a missing batching rule
+        grads = jax.jit(jax.vmap(jax.grad(lambda p, a, b: apply(p, a[None], b[None]).sum()), in_axes=(None, 0, 0)))(params, x, pad)
+        weights = {k: v.detach() for k, v in model.named_parameters()}
+        loss = lambda w, a, b: torch.func.functional_call(model, w, (a[None], b[None])).sum()  # noqa: E731
+        rows = [torch.func.grad(loss)(weights, to_torch(a), to_torch(b)) for a, b in zip(x, pad)]
+    expected = {k: np.stack([to_numpy(r[k]) for r in rows]) for k in weights}
+    assert_tree_allclose(grads, expected, rtol=1e-9, atol=1e-11)
+    assert apply.compile_stats()["eager_fallbacks"] == 0
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.5])
+def test_attention_draws_only_with_dropout(dropout_p):
+    """random_state.draws: scaled_dot_product_attention's kernels carry
+    PyTorch's random-op tag whatever dropout_p is; at 0 they draw nothing."""
+    from t2j_ad.random_state import RandomOpsSeen
+
+    q = torch.randn(2, 2, 4, 8, device=TORCH_DEVICE)
+    before = torch.get_rng_state()
+    with RandomOpsSeen() as seen:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=dropout_p)
+    assert seen.seen == (dropout_p > 0)
+    if dropout_p == 0 and TORCH_DEVICE.type == "cpu":
+        assert torch.equal(before, torch.get_rng_state())  # PyTorch's generator did not move
