@@ -300,19 +300,21 @@ def _build_artifact(
     if mode == "inductor":
         try:
             _compile(artifact, graph, inputs, out_specs)
-        except Exception as err:  # noqa: BLE001 - the graph's first run stands; eagerly from now on
-            return Artifact(None, _reason(err)), first
-        try:
-            wrong = compiled_disagreement(graph, artifact.run, inputs, constants.since())
-        except Exception as err:  # noqa: BLE001 - inductor's kernels fail where the graph runs
-            wrong = f"failed ({_reason(err)}) where the traced graph runs"
+        except Exception as err:  # noqa: BLE001 - the trace stands: its graph runs (as compile="graph")
+            wrong: str | None = f"could not be made ({_reason(err)})"
+        else:
+            try:
+                wrong = compiled_disagreement(graph, artifact.run, inputs, constants.since())
+            except Exception as err:  # noqa: BLE001 - inductor's kernels fail where the graph runs
+                wrong = f"failed ({_reason(err)}) where the traced graph runs"
+            if wrong is not None:
+                wrong = f"{wrong.removeprefix('its ')}, which agrees with eager"
         if wrong is not None:  # NOTE [checking inductor against the trace] in trace_check.py
             warn_once(
                 base,
                 ("inductor disagreed",),
-                f"t2j_ad: compile='inductor': inductor's compiled kernels for {base.name!r} {wrong.removeprefix('its ')}, "
-                f"which agrees with eager, so it runs the traced graph (as compile='graph'). Results are exact; "
-                f"only speed differs.",
+                f"t2j_ad: compile='inductor': inductor's compiled kernels for {base.name!r} {wrong}, so it runs "
+                f"the traced graph (as compile='graph'). Results are exact; only speed differs.",
             )
             artifact = Artifact(graph.forward)
             mode = "graph"

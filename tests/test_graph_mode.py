@@ -904,6 +904,24 @@ def test_inductor_kernels_are_checked_against_the_traced_graph(monkeypatch):
     assert f.compile_stats()["graphs"] == 1
 
 
+def test_a_graph_inductor_cannot_compile_runs_as_traced(monkeypatch):
+    """A train-mode BatchNorm's graph failed in inductor's compile (a
+    KeyError in its pass over Python scalars): the function ran eagerly from
+    then on, warned as one that "could not trace", with advice about tensor
+    values in control flow; the trace was fine, and its graph runs now."""
+
+    def failing(artifact, graph, inputs, out_specs):
+        raise KeyError("s82")
+
+    monkeypatch.setattr(graph_mode, "_compile", failing)
+    f = t2j_ad.jaxify(lambda x: torch.sin(x) * 2, compile="inductor")
+    x = jnp.arange(3.0)
+    with pytest.warns(FallbackWarning, match=r"could not be made \(KeyError: 's82'\), so it runs the traced graph"):
+        np.testing.assert_allclose(f(x), 2 * np.sin(np.arange(3.0)), rtol=1e-6)
+    np.testing.assert_allclose(f(x + 1), 2 * np.sin(np.arange(3.0) + 1), rtol=1e-6)
+    assert f.compile_stats()["graphs"] == 1 and f.compile_stats()["eager_fallbacks"] == 0
+
+
 def _only_artifact(f):
     (artifact,) = [a for entry in f._cache.values() for a in graph_mode.artifacts(entry.base)]
     return artifact
