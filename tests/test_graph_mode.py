@@ -888,35 +888,32 @@ def test_inductor_kernels_that_disagree_with_the_trace_run_the_traced_graph():
         assert any("inductor's compiled kernels" in str(w.message) for w in record), [str(w.message) for w in record]
 
 
-def test_inductor_kernels_are_checked_against_the_traced_graph(monkeypatch):
+def _miscompiled(artifact, graph, inputs, out_specs):
+    artifact.run = lambda *a: tuple(r + 1 for r in graph(*a))
+
+
+def _not_compiled(artifact, graph, inputs, out_specs):
+    raise KeyError("s82")
+
+
+@pytest.mark.parametrize(
+    "compile_fn, warned",
+    [
+        (_miscompiled, r"disagreed with the traced graph on output 0 \(entries off by up to 1"),
+        (_not_compiled, r"could not be made \(KeyError: 's82'\), so it runs the traced graph"),
+    ],
+    ids=["disagrees", "fails"],
+)
+def test_inductor_kernels_are_checked_against_the_traced_graph(monkeypatch, compile_fn, warned):
     """Whatever inductor gets wrong, the first call compares its kernels with
-    the graph they were compiled from, and keeps the graph if they differ."""
-
-    def miscompiled(artifact, graph, inputs, out_specs):
-        artifact.run = lambda *a: tuple(r + 1 for r in graph(*a))
-
-    monkeypatch.setattr(graph_mode, "_compile", miscompiled)
+    the graph they were compiled from, and keeps the graph if they differ.
+    Where inductor's compile fails (a train-mode BatchNorm: a KeyError in its
+    pass over Python scalars), the function ran eagerly from then on, warned
+    as one that "could not trace"; the trace was fine, and its graph runs."""
+    monkeypatch.setattr(graph_mode, "_compile", compile_fn)
     f = t2j_ad.jaxify(lambda x: torch.sin(x) * 2, compile="inductor")
     x = jnp.arange(3.0)
-    with pytest.warns(FallbackWarning, match=r"disagreed with the traced graph on output 0 \(entries off by up to 1"):
-        np.testing.assert_allclose(f(x), 2 * np.sin(np.arange(3.0)), rtol=1e-6)
-    np.testing.assert_allclose(f(x + 1), 2 * np.sin(np.arange(3.0) + 1), rtol=1e-6)
-    assert f.compile_stats()["graphs"] == 1
-
-
-def test_a_graph_inductor_cannot_compile_runs_as_traced(monkeypatch):
-    """A train-mode BatchNorm's graph failed in inductor's compile (a
-    KeyError in its pass over Python scalars): the function ran eagerly from
-    then on, warned as one that "could not trace", with advice about tensor
-    values in control flow; the trace was fine, and its graph runs now."""
-
-    def failing(artifact, graph, inputs, out_specs):
-        raise KeyError("s82")
-
-    monkeypatch.setattr(graph_mode, "_compile", failing)
-    f = t2j_ad.jaxify(lambda x: torch.sin(x) * 2, compile="inductor")
-    x = jnp.arange(3.0)
-    with pytest.warns(FallbackWarning, match=r"could not be made \(KeyError: 's82'\), so it runs the traced graph"):
+    with pytest.warns(FallbackWarning, match=warned):
         np.testing.assert_allclose(f(x), 2 * np.sin(np.arange(3.0)), rtol=1e-6)
     np.testing.assert_allclose(f(x + 1), 2 * np.sin(np.arange(3.0) + 1), rtol=1e-6)
     assert f.compile_stats()["graphs"] == 1 and f.compile_stats()["eager_fallbacks"] == 0
