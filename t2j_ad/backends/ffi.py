@@ -10,6 +10,7 @@ TorchFn in ``registry`` (see NOTE [registry lifetime] there). The runner
 
 from __future__ import annotations
 
+import atexit
 import threading
 import warnings
 from collections.abc import Sequence
@@ -62,6 +63,23 @@ def _dispatch(key: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
 def install_dispatcher() -> None:
     """Point the C++ handler at ``_dispatch`` and the registry's runner table."""
     _ffi_ext.set_dispatcher(_dispatch, runners=registry.runners, wrap=_from_dlpack)
+
+
+def _finish_queued_calls() -> None:
+    """Wait, at exit, for the computations still queued that make live
+    arrays: the extension's own exit hook, which runs after this one
+    (registered later, run earlier), drops the dispatcher, and a call XLA
+    ran after that failed with "no Python dispatcher is registered" instead
+    of running (its state updates lost)."""
+    for array in jax.live_arrays():
+        try:
+            array.block_until_ready()
+        except Exception:  # noqa: BLE001 - its error was the caller's to see; exiting anyway
+            pass
+
+
+if _ffi_ext is not None:
+    atexit.register(_finish_queued_calls)
 
 
 def _register_targets() -> frozenset[str]:
