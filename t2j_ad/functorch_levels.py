@@ -260,8 +260,12 @@ def dispatch_keys_kept() -> Iterator[None]:
     INTERNAL ASSERT in ``_fw_primal``) and left the calling thread with
     ADInplaceOrView, Autograd, Functionalize, the functorch and Python keys
     excluded: from then on the eager fallback, and every ``torch.func.jvp``
-    on that thread, t2j_ad's or not, hit the same assert. So a trace puts
-    the thread's local dispatch key sets back where it changed them.
+    on that thread, t2j_ad's or not, hit the same assert. The keys were set
+    by a guard object in one of the error's frames, which, freed with the
+    error after the trace had returned, put back what it had saved inside
+    the failed op. So a trace frees its error's frames before it ends
+    (``_free_frames``: the message stays, the frames' locals go), then puts
+    the thread's local dispatch key sets back where they changed.
     """
     tls = torch._C
     included, excluded = tls._dispatch_tls_local_include_set(), tls._dispatch_tls_local_exclude_set()
