@@ -330,7 +330,6 @@ class Torch2JaxFunction:
         # The examples as JAX sees them (an int64 tensor is int32 with x64 off).
         structs = [jax.ShapeDtypeStruct(tuple(x.shape), _canonical(dt)) for x, dt in zip(leaves, torch_dtypes)]
         self._example_key = _signature_key(structs)
-        self._example_shapes = [s.shape for s in structs]  # for __reduce__
         self._nondiff = tuple(nondiff) if nondiff is not None and any(nondiff) else None
         self._warned: set[Any] = set()
         self._out_specs = out_specs
@@ -360,7 +359,8 @@ class Torch2JaxFunction:
         # Rebuilt from the function and the examples as meta tensors of the
         # examples' torch dtypes (its closures do not pickle; pickle blamed the
         # user's function, whose name they carry). Needs fn to pickle.
-        metas = [torch.empty(s, dtype=dt, device="meta") for s, dt in zip(self._example_shapes, self._torch_dtypes)]
+        shapes = [shape for shape, _ in self._example_key]  # made of the examples' structs: never None
+        metas = [torch.empty(s, dtype=dt, device="meta") for s, dt in zip(shapes, self._torch_dtypes)]
         examples = jax.tree.unflatten(self._in_tree, metas)
         args, kw = examples if self._has_kw else (examples, None)
         options = dict(

@@ -303,7 +303,7 @@ def _note_recast_params(err: Exception, params: Mapping[str, torch.Tensor], give
     then fails with a dtype mismatch that names no parameter (a float16 bias
     in a float32 Linear: "self and mat2 must have the same dtype")."""
     recast = [
-        f"params[{k!r}] is {_name(t.dtype)} where jaxify_module gave {_name(given[k])}"
+        f"params[{k!r}] is {jax_dtype(t.dtype)} where jaxify_module gave {jax_dtype(given[k])}"
         for k, t in params.items()
         if k in given and t.dtype != given[k]
     ]
@@ -312,10 +312,6 @@ def _note_recast_params(err: Exception, params: Mapping[str, torch.Tensor], give
             f"{'; '.join(recast)}. PyTorch computes with the dtypes it is given: cast every parameter and "
             f"the inputs alike, or pass those entries in the dtypes jaxify_module gave them."
         )
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _check_params(params: Any, expected: Mapping[str, jax.Array]) -> None:

@@ -251,7 +251,7 @@ def run_checking_layouts(graph: torch.fx.GraphModule, inputs: Sequence[torch.Ten
 
 def _disagreement(expected: tuple[Any, ...], actual: tuple[Any, ...], reference: str = "eager") -> str | None:
     """How ``actual`` differs from ``expected``, the results of ``reference``
-    ("eager": the eager call; or "the graph"); None where they agree."""
+    ("eager": the eager call; or "the traced graph"); None where they agree."""
     call = "the eager call" if reference == "eager" else reference
     if len(actual) != len(expected):
         return f"returned {len(actual)} outputs where {call} returns {len(expected)}"

@@ -39,19 +39,33 @@ a *mapped axis* is lowered through JAX's ``custom_partitioning`` instead:
 Without a mapped axis (a plain call not declared batch-mapped, a reduction
 such as a loss's gradient) the call stays replicated, as before.
 
+NOTE [shardings no PartitionSpec says]
+A reshape can split one mesh axis over two dimensions: a batch of 16 rows on
+4 devices, reshaped to (2, 8, ...), has its first dimension split over one
+half of the devices and its second over the other, and a slice of it
+(``x.reshape(2, 8, 3)[0]``) lives on two of the four. No PartitionSpec of the
+mesh says that, and ``custom_partitioning``, which decodes each operand's
+sharding into one before calling back, failed inside JAX (an
+AssertionError, or IndivisibleError under ``jax.vmap``): the whole
+compilation failed. So the callbacks take the shardings undecoded
+(``decode_shardings=False``) and decode them themselves
+(``_jax_internals.as_named_sharding``); one no spec says counts as
+unsharded, and the call runs replicated, its operands gathered, as an
+undeclared call would.
+
 NOTE [a call with effects on a mesh]
 A call that draws random numbers or updates state it keeps (dropout, a
-module in training mode) is marked as having side effects, so that XLA
-keeps it (``replayed_calls.kept_by_xla``). XLA's SPMD partitioner refuses such an op with
-no sharding or a replicated one ("Side-effect HLO must have sharding"), so
-under a ``jax.jit`` over several devices every such call failed to compile
-with XLA's internal error, its inputs sharded or not. A replicated call would
-run PyTorch on every device, drawing and updating once per device, and the
-one sharding XLA takes, MAXIMAL on one device (``jax.pure_callback``'s),
-Shardy keeps only for JAX's own callback targets (it compiled with GSPMD,
-which JAX is retiring). So such a call without a mapped axis is refused at
-lowering, naming the ways that work: one device, or ``shard_map`` / ``pmap``,
-where each device runs its own shard.
+module in training mode) is marked as having side effects, so that XLA keeps
+it (``replayed_calls.kept_by_xla``). XLA's SPMD partitioner refuses such an
+op with no sharding or a replicated one ("Side-effect HLO must have
+sharding"), so under a ``jax.jit`` over several devices every such call
+failed to compile with XLA's internal error, its inputs sharded or not. A
+replicated call would run PyTorch on every device, drawing and updating once
+per device, and the one sharding XLA takes, MAXIMAL on one device
+(``jax.pure_callback``'s), Shardy keeps only for JAX's own callback targets
+(it compiled with GSPMD, which JAX is retiring). So such a call without a
+mapped axis is refused at lowering, naming the ways that work: one device,
+or ``shard_map`` / ``pmap``, where each device runs its own shard.
 """
 
 from __future__ import annotations
