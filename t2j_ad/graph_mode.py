@@ -378,7 +378,37 @@ def _replay_in_place(artifact: Artifact, graph: torch.fx.GraphModule, out_specs:
 
 def _reason(err: BaseException) -> str:
     lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+    reason = f"{type(err).__name__}: {lines[0] if lines else ''}"
+    if _raised_checking_a_distribution(err):
+        reason += (
+            " (in torch.distributions' checks of a distribution's arguments or sample, which read values: pass "
+            "validate_args=False to the distribution, or call "
+            "torch.distributions.Distribution.set_default_validate_args(False), to trace it)"
+        )
+    return reason
+
+
+# Where torch.distributions checks values (a distribution's __init__ and
+# _validate_sample): a trace cannot read them, so such a function runs eagerly.
+_DISTRIBUTION_CHECKS = (os.path.join("torch", "distributions", "distribution.py"), ("__init__", "_validate_sample"))
+
+
+def _raised_checking_a_distribution(err: BaseException | None) -> bool:
+    """Whether ``err`` (or an exception it chains) passed through
+    ``_DISTRIBUTION_CHECKS``. Its frames may be cleared (NOTE [a failed
+    trace's dispatch keys]); their code objects stay."""
+    seen: set[int] = set()
+    path, names = _DISTRIBUTION_CHECKS
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        tb = err.__traceback__
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            if code.co_name in names and code.co_filename.endswith(path):
+                return True
+            tb = tb.tb_next
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def artifact_for(

@@ -2,9 +2,11 @@
 
 First on the ``meta`` device (no data, no computation); if an op has no meta
 kernel (or the code needs real data: NumPy, ``.item()``), a real call on
-zeros, then one on ones (NOTE [a second run, on ones]). Either way it also refuses a function that writes into its inputs there
-(a write made only for some values waits for a real call, and the first real
-call gets copies of its inputs).
+zeros, then one on ones (NOTE [a second run, on ones]); on ones alone if
+zeros fail (NOTE [inference on ones when zeros fail]). Either way it also
+refuses a function that writes into its inputs there (a write made only
+for some values waits for a real call, and the first real call gets copies
+of its inputs).
 
 NOTE [inference on the call's device]
 A function that closes over a tensor (a weight made with ``device="cuda"``, a
@@ -46,6 +48,22 @@ does may depend on them. So it runs once more, on ones, for two things:
   ones leaves the effects seen on zeros. Values that neither zeros nor ones
   reach stay unseen (NOTE [derivatives replay the value's draws] in
   replayed_calls.py).
+
+NOTE [inference on ones when zeros fail]
+Some functions refuse zeros, for reasons of their own: a
+``torch.distributions`` object checks its arguments (``Normal(mu,
+sigma)`` with ``sigma`` an input: a scale of 0 is invalid; so are a
+``Gamma``'s zero concentration, a ``Dirichlet``'s), and a validation reads
+values, so the meta run fails too. Every such call was refused until the
+user passed ``output_shapes=``. So when the run on zeros fails on every
+device, the function runs on ones (same device order), and its shapes and
+effects come from there. Nothing checks them against a second run: an
+output empty on ones is refused (``nonzero`` of a mask), as an empty output
+is when the second run fails; any other shape that depends on the values is
+refused by the first real call that returns another (the runner checks
+every output). Effects made only for values other than ones stay unseen,
+as those neither zeros nor ones reach do above. If ones fail too, the error
+on zeros is reported.
 """
 
 from __future__ import annotations
@@ -83,7 +101,7 @@ class Inferred(NamedTuple):
     [derivatives replay the value's draws] in replayed_calls.py)."""
 
     outputs: Any
-    device: torch.device  # meta, or where the zeros were
+    device: torch.device  # meta, or where the zeros (or ones) were
     effects: Effects
 
 
@@ -186,12 +204,41 @@ def infer_outputs(
             first = first or (where, err)
             continue
         return Inferred(outputs, where, _checked_on_ones(fn, avals, where, name, outputs, effects, modules, dicts))
+    # NOTE [inference on ones when zeros fail]
+    for where in devices_to_try(device):
+        try:
+            outputs, effects = _run(fn, avals, where, name, torch.ones, modules, dicts)
+        except _RAISED_AS_THEY_ARE:
+            raise
+        except Exception:  # noqa: BLE001 - the error on zeros is reported below
+            continue
+        _refuse_unchecked_empty(name, where, outputs)
+        return Inferred(outputs, where, effects)
     where, err = first
     raise TorchCallError(
         f"the PyTorch function {name} raised {type(err).__name__}: {err}\n"
-        f"(while inferring output shapes on zeros on {where}; pass output_shapes= to "
-        f"jaxify or jaxify_module to skip inference)"
+        f"(while inferring output shapes on zeros on {where}; it failed on ones too; pass output_shapes= "
+        f"to jaxify or jaxify_module to skip inference)"
     ) from err
+
+
+_FIXED_SHAPES_ADVICE = (
+    "JAX needs output shapes fixed by the input shapes and dtypes: return a fixed-size result "
+    "(torch.nonzero_static(x, size=n), or a mask and torch.where instead of x[mask]), "
+    "or pass output_shapes= with the shapes every call returns"
+)
+
+
+def _refuse_unchecked_empty(name: str, where: torch.device, outputs: Any) -> None:
+    """Raise for an empty output of a function inferred on ones alone
+    (NOTE [inference on ones when zeros fail])."""
+    for i, leaf in enumerate(jax.tree_util.tree_leaves(outputs)):
+        if isinstance(leaf, torch.Tensor) and leaf.numel() == 0:
+            raise TorchCallError(
+                f"the PyTorch function {name} failed on zeros and returned an empty output {i} (shape "
+                f"{tuple(leaf.shape)}) on ones (inferring its output shapes on {where}), so t2j_ad cannot tell "
+                f"whether its output shapes depend on the input values. {_FIXED_SHAPES_ADVICE}."
+            )
 
 
 def _checked_on_ones(
@@ -209,11 +256,6 @@ def _checked_on_ones(
     on the input's values (NOTE [a second run, on ones])."""
     leaves = jax.tree_util.tree_leaves(outputs)
     empty = any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in leaves)
-    advice = (
-        "JAX needs output shapes fixed by the input shapes and dtypes: return a fixed-size result "
-        "(torch.nonzero_static(x, size=n), or a mask and torch.where instead of x[mask]), "
-        "or pass output_shapes= with the shapes every call returns"
-    )
     try:
         on_ones, ones_effects = _run(fn, avals, where, name, torch.ones, modules, dicts)
     except _RAISED_AS_THEY_ARE:
@@ -224,12 +266,12 @@ def _checked_on_ones(
         raise TorchCallError(
             f"the PyTorch function {name} returned an empty output on zeros (inferring its output shapes "
             f"on {where}) and raised {type(err).__name__} on ones: {err}. So t2j_ad cannot tell whether "
-            f"its output shapes depend on the input values. {advice}."
+            f"its output shapes depend on the input values. {_FIXED_SHAPES_ADVICE}."
         ) from err
     # Every output, not only empty ones: a shape set by an input's value
     # (F.pad(x, (n, n)) with n an argument) is refused here, naming both
     # shapes, rather than by the first real call.
-    _check_shapes_agree(name, where, outputs, on_ones, advice)
+    _check_shapes_agree(name, where, outputs, on_ones)
     if on_zeros.same_as(ones_effects) or not ones_effects:
         return on_zeros
     if not on_zeros:
@@ -242,14 +284,14 @@ def _checked_on_ones(
     )
 
 
-def _check_shapes_agree(name: str, where: torch.device, on_zeros: Any, on_ones: Any, advice: str) -> None:
+def _check_shapes_agree(name: str, where: torch.device, on_zeros: Any, on_ones: Any) -> None:
     """Raise unless the outputs on zeros and on ones have one structure and
     the same shapes (NOTE [a second run, on ones])."""
     if jax.tree_util.tree_structure(on_ones) != jax.tree_util.tree_structure(on_zeros):
         raise TorchCallError(
             f"the output structure of the PyTorch function {name} depends on its input values: "
             f"{jax.tree_util.tree_structure(on_zeros)} on zeros, {jax.tree_util.tree_structure(on_ones)} on "
-            f"ones (inferring its output shapes on {where}). {advice}."
+            f"ones (inferring its output shapes on {where}). {_FIXED_SHAPES_ADVICE}."
         )
     for i, (zeros_out, ones_out) in enumerate(zip(jax.tree_util.tree_leaves(on_zeros), jax.tree_util.tree_leaves(on_ones))):
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (zeros_out, ones_out)]
@@ -257,5 +299,5 @@ def _check_shapes_agree(name: str, where: torch.device, on_zeros: Any, on_ones: 
             raise TorchCallError(
                 f"the output shapes of the PyTorch function {name} depend on its input values: output {i} "
                 f"has shape {shapes[0]} on zeros and {shapes[1]} on ones (inferring its output shapes on "
-                f"{where}). {advice}."
+                f"{where}). {_FIXED_SHAPES_ADVICE}."
             )

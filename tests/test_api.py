@@ -288,6 +288,63 @@ def test_ops_without_meta_kernels_infer_with_real_calls_on_zeros_and_ones():
     assert calls == ["meta", TORCH_DEVICE.type, TORCH_DEVICE.type, TORCH_DEVICE.type]
 
 
+def _normal_log_prob(mu, sigma, x):
+    return torch.distributions.Normal(mu, sigma).log_prob(x).sum()
+
+
+def _jnp_normal_log_prob(mu, sigma, x):
+    return jnp.sum(-((x - mu) ** 2) / (2 * sigma**2) - jnp.log(sigma) - 0.5 * jnp.log(2 * jnp.pi))
+
+
+def test_a_function_that_refuses_zeros_is_inferred_on_ones(x64):
+    """torch.distributions checks its arguments, and the check reads values
+    (no meta run): Normal(mu, sigma) with sigma an input refused the scale 0
+    of the run on zeros, so every call was refused until output_shapes= was
+    passed (NOTE [inference on ones when zeros fail])."""
+    f = t2j_ad.jaxify(_normal_log_prob)
+    mu, sigma, x = jnp.array([0.1, -0.3, 0.2]), jnp.array([0.5, 1.5, 2.0]), jnp.array([1.0, 0.0, -1.0])
+    np.testing.assert_allclose(jax.jit(f)(mu, sigma, x), _jnp_normal_log_prob(mu, sigma, x), rtol=1e-12)
+    for argnums in (0, 1):
+        np.testing.assert_allclose(
+            jax.hessian(f, argnums)(mu, sigma, x), jax.hessian(_jnp_normal_log_prob, argnums)(mu, sigma, x), rtol=1e-10
+        )
+    xs = jnp.stack([x, 2 * x, x - 1])
+    per_example = jax.vmap(jax.grad(f, argnums=1), in_axes=(None, None, 0))
+    np.testing.assert_allclose(
+        per_example(mu, sigma, xs),
+        jax.vmap(jax.grad(_jnp_normal_log_prob, argnums=1), in_axes=(None, None, 0))(mu, sigma, xs),
+        rtol=1e-10,
+    )
+
+
+def test_a_function_refusing_zeros_is_checked_on_ones_alone():
+    """With no run on zeros to compare with, an output empty on ones is
+    refused (XLA would drop the call); a function refusing ones too is
+    reported with its error on zeros."""
+
+    def empty_on_ones(x):
+        if not bool((x != 0).all()):
+            raise ValueError("zeros are not allowed")
+        return x[x > 1]
+
+    empty = r"failed on zeros and returned an empty output 0 \(shape \(0,\)\) on ones"
+    with pytest.raises(t2j_ad.TorchCallError, match=empty):
+        t2j_ad.jaxify(empty_on_ones)(jnp.array([0.5, 2.0]))
+
+    def positive_and_not_one(x):
+        if not bool((x > 0).all()):
+            raise ValueError("zeros are not allowed")
+        if bool((x == 1).any()):
+            raise ValueError("ones are not allowed")
+        return x * 2
+
+    both = r"zeros are not allowed\n\(while inferring output shapes on zeros on .*; it failed on ones too"
+    with pytest.raises(t2j_ad.TorchCallError, match=both):
+        t2j_ad.jaxify(positive_and_not_one)(jnp.array([0.5, 2.0]))
+    declared = t2j_ad.jaxify(positive_and_not_one, output_shapes=jax.ShapeDtypeStruct((2,), jnp.float32))
+    np.testing.assert_array_equal(declared(jnp.array([0.5, 2.0])), [1.0, 4.0])
+
+
 def test_forward_runs_under_grad_mode_with_controlled_threads():
     # NOTE [calls run with grad mode on]: as PyTorch runs a function by default.
     seen = {}

@@ -170,7 +170,8 @@ def test_inference_reports_the_calls_devices_error():
     def broken(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"broken on {x.device.type}")
 
-    with pytest.raises(t2j_ad.TorchCallError, match=r"ValueError: broken on cpu\n.*on zeros on cpu; pass output_shapes="):
+    on_cpu = r"ValueError: broken on cpu\n.*on zeros on cpu; it failed on ones too; pass output_shapes="
+    with pytest.raises(t2j_ad.TorchCallError, match=on_cpu):
         infer_outputs(broken, _avals((3,)), "broken", torch.device("cpu"))
     with pytest.raises(t2j_ad.TorchCallError, match=r"\(while inferring output shapes on zeros on xpu;"):
         infer_outputs(broken, _avals((3,)), "broken", _UNUSABLE)
@@ -213,7 +214,8 @@ def test_inference_tries_the_other_gpus_before_the_cpu(monkeypatch):
     reported = r"found cuda:0 and cuda:1\n\(while inferring output shapes on zeros on cuda:0;"
     with pytest.raises(t2j_ad.TorchCallError, match=reported):
         infer_outputs(broken, _avals((3,)), "broken", cuda[0])
-    assert tried == ["meta", "cuda:0", "cuda:1", "cuda:2", "cpu"]
+    # on zeros, then on ones (NOTE [inference on ones when zeros fail]), on every device
+    assert tried == ["meta", "cuda:0", "cuda:1", "cuda:2", "cpu", "cuda:0", "cuda:1", "cuda:2", "cpu"]
 
 
 @pytest.mark.skipif(

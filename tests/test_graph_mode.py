@@ -1223,6 +1223,30 @@ def test_a_value_read_the_function_catches_falls_back_instead_of_baking_the_exce
         np.testing.assert_allclose(f(x), to_numpy(fn(torch.tensor([2.0, 3.0]))))
 
 
+def test_a_distributions_argument_checks_run_eagerly_naming_validate_args(x64):
+    """torch.distributions checks its arguments by reading their values, which
+    a trace cannot: the FallbackWarning names validate_args=False, with which
+    the same function runs as a graph and agrees with jax.numpy."""
+
+    def log_prob(mu, sigma, x, validate=None):
+        return torch.distributions.Normal(mu, sigma, validate_args=validate).log_prob(x).sum()
+
+    def reference(mu, sigma, x):
+        return jnp.sum(-((x - mu) ** 2) / (2 * sigma**2) - jnp.log(sigma) - 0.5 * jnp.log(2 * jnp.pi))
+
+    args = (jnp.array([0.1, -0.3, 0.2]), jnp.array([0.5, 1.5, 2.0]), jnp.array([1.0, 0.0, -1.0]))
+    checked = t2j_ad.jaxify(log_prob, compile="graph")
+    with pytest.warns(FallbackWarning, match=r"torch.distributions' checks .* validate_args=False"):
+        np.testing.assert_allclose(checked(*args), reference(*args), rtol=1e-12)
+    unchecked = t2j_ad.jaxify(lambda mu, sigma, x: log_prob(mu, sigma, x, validate=False), compile="graph")
+    with no_fallback():
+        np.testing.assert_allclose(unchecked(*args), reference(*args), rtol=1e-12)
+        np.testing.assert_allclose(
+            jax.grad(unchecked, argnums=(0, 1))(*args), jax.grad(reference, argnums=(0, 1))(*args), rtol=1e-12
+        )
+    assert unchecked.compile_stats()["graphs"] == 2 and unchecked.compile_stats()["eager_fallbacks"] == 0
+
+
 @pytest.mark.parametrize("how", ["child", "dict"])
 def test_graph_mode_follows_flags_of_a_child_and_of_a_module_in_a_dict(how):
     """A method reading self.head.training, or a module reached through a
