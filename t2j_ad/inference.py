@@ -205,20 +205,23 @@ def infer_outputs(
             continue
         return Inferred(outputs, where, _checked_on_ones(fn, avals, where, name, outputs, effects, modules, dicts))
     # NOTE [inference on ones when zeros fail]
+    on_ones: Exception | None = None
     for where in devices_to_try(device):
         try:
             outputs, effects = _run(fn, avals, where, name, torch.ones, modules, dicts)
         except _RAISED_AS_THEY_ARE:
             raise
-        except Exception:  # noqa: BLE001 - the error on zeros is reported below
+        except Exception as err:  # noqa: BLE001 - reported below with the error on zeros
+            on_ones = on_ones or err
             continue
         _refuse_unchecked_empty(name, where, outputs)
         return Inferred(outputs, where, effects)
     where, err = first
+    lines = str(on_ones).strip().splitlines()
     raise TorchCallError(
         f"the PyTorch function {name} raised {type(err).__name__}: {err}\n"
-        f"(while inferring output shapes on zeros on {where}; it failed on ones too; pass output_shapes= "
-        f"to jaxify or jaxify_module to skip inference)"
+        f"(while inferring output shapes on zeros on {where}; on ones it raised {type(on_ones).__name__}: "
+        f"{lines[0] if lines else ''}; pass output_shapes= to jaxify or jaxify_module to skip inference)"
     ) from err
 
 
