@@ -347,6 +347,68 @@ def test_inside_odeint():
     )
 
 
+def _t_cubic(x, th):
+    return x**3 + th * x - 1.0
+
+
+def _j_cubic(x, th):
+    return x**3 + th * x - 1.0
+
+
+t_cubic = t2j_ad.jaxify(_t_cubic)
+TH = jnp.array([1.0, 2.0, 0.5], jnp.float32)
+
+
+def _rooted(f):
+    """The root of ``f(., th)`` by ``lax.custom_root``, with the
+    ``tangent_solve`` JAX's docstring gives for a vector root: the Jacobian
+    of the linearized residual, by ``jax.jacobian``, then a dense solve."""
+
+    def root(th):
+        def newton(residual, x0):
+            return jax.lax.fori_loop(0, 30, lambda i, x: x - residual(x) / (3 * x**2 + th), x0)
+
+        def tangent_solve(g, y):
+            return jnp.linalg.solve(jax.jacobian(g)(y), y)
+
+        return jax.lax.custom_root(lambda x: f(x, th), jnp.ones_like(th), newton, tangent_solve)
+
+    return root
+
+
+def test_inside_custom_root_with_a_jacobian_tangent_solve():
+    """jax.grad failed in JAX's transpose of the linear solve ("open an
+    issue"): the matrix tangent_solve computed depended, through the Jvp
+    call, on the right-hand side. A Jvp call is linear in its tangents, so
+    its own tangent is the same call (NOTE [a call linear in its tangents])."""
+    check(
+        {
+            "root": _rooted,
+            "grad": lambda f: jax.grad(lambda th: jnp.sum(_rooted(f)(th) ** 2)),
+            "jacfwd": lambda f: jax.jacfwd(_rooted(f)),
+        },
+        t_cubic,
+        _j_cubic,
+        TH,
+        rtol=1e-5,
+    )
+
+
+def test_the_tangent_of_a_call_in_its_linear_inputs_is_the_call_itself():
+    """Forward mode through a Jvp in its tangent, or a Vjp in its cotangent,
+    binds the same call again (first order; batched over jacfwd's basis),
+    not Jvp appended to it."""
+    tangent = lambda f: lambda t: jax.jvp(lambda x: f(x, Y), (X,), (t,))[1]  # noqa: E731
+    cotangent = lambda f: lambda c: jax.vjp(lambda x: f(x, Y), X)[1](c)[0]  # noqa: E731
+    transforms = {"of_jvp": lambda f: jax.jacfwd(tangent(f)), "of_vjp": lambda f: jax.jacfwd(cotangent(f))}
+    check(transforms, t_vector, _j_vector, T)
+    for linear, last in ((tangent, "Jvp"), (cotangent, "Vjp")):
+        jaxpr = jax.make_jaxpr(jax.jacfwd(linear(t_vector)))(T).jaxpr
+        chains = [[type(t).__name__ for t in e.params["fun"].transforms] for e in jaxpr.eqns if e.primitive.name == "torch_call"]
+        derivatives = [[name for name in chain if name in ("Jvp", "Vjp")] for chain in chains]
+        assert [last] in derivatives and all(d in ([], [last]) for d in derivatives), chains
+
+
 def _clipped(f):
     """A user's custom_vjp around f: cotangents of x clipped to [-0.1, 0.1]."""
 

@@ -7,6 +7,18 @@ numbers, or updates state it keeps, binds instead a primal call that also
 returns a token (the generator state and the kept state it started from) and
 a tangent call that replays it (NOTE [derivatives replay the value's draws]
 in replayed_calls.py).
+
+NOTE [a call linear in its tangents]
+A Jvp call is linear in its tangent inputs, and a Vjp call in its
+cotangent inputs. Where every tangent JAX brings to such a call is on
+those inputs (``jax.jacobian`` of ``t -> jvp(f, (x,), (t,))``: the
+``tangent_solve`` of ``lax.custom_root``; forward mode through a
+``vjp`` function alone), the tangent of its outputs is the same call
+with those tangents in their place: one call of the same order, not the
+order above. It also depends on the primals only, not on the point the
+linear inputs had: ``lax.custom_root``'s reverse mode failed in JAX
+("open an issue") because the matrix its ``tangent_solve`` computed
+depended, through the call, on the right-hand side being transposed.
 """
 
 from __future__ import annotations
@@ -14,9 +26,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax.numpy as jnp
+
 from ..primitive import torch_call
 from ..replayed_calls import Effects, effects, keeping_and_replaying
-from ..torch_fn import Jvp, TorchFn, Vmap
+from ..torch_fn import Jvp, TorchFn, Vjp, Vmap
 
 
 def torch_call_jvp(
@@ -37,10 +51,29 @@ def _tangents(primals: Sequence[Any], tangents: Sequence[Any | None], fun: Torch
     out_tangents: list[Any | None] = [None] * len(fun.out_avals)
     if not wrt or not out:
         return out_tangents
-    computed = torch_call(list(primals) + [tangents[i] for i in wrt], fun.append(Jvp(wrt, out)))
+    n = _linear_after(fun)
+    if n is not None and min(wrt) >= n:
+        # NOTE [a call linear in its tangents]
+        filled = [
+            t if t is not None else jnp.zeros(a.shape, a.dtype)
+            for t, a in zip(tangents[n:], fun.in_avals[n:])
+        ]
+        computed = torch_call(list(primals[:n]) + filled, fun)
+        computed = [computed[j] for j in out]
+    else:
+        computed = torch_call(list(primals) + [tangents[i] for i in wrt], fun.append(Jvp(wrt, out)))
     for j, t in zip(out, computed):
         out_tangents[j] = t
     return out_tangents
+
+
+def _linear_after(fun: TorchFn) -> int | None:
+    """How many inputs ``fun``'s last transform's parent has, where that
+    transform makes it linear in the inputs after them (Jvp: in its
+    tangents; Vjp: in its cotangents); None for any other function."""
+    if fun.transforms and isinstance(fun.transforms[-1], (Jvp, Vjp)):
+        return len(fun.parent().in_avals)
+    return None
 
 
 def _jvp_replaying(
