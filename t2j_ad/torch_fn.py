@@ -168,7 +168,8 @@ class BaseFn:
         # A context manager each call of this function runs in, or None:
         # the lock and the put-back of writes of replayed calls.
         self.call_effects: Callable[[], Any] | None = None
-        self.built: dict[tuple[Transform, ...], Callable[..., tuple[Any, ...]]] = {}
+        # By transforms; a second-order chain's key starts with a mark (transforms.build).
+        self.built: dict[tuple[Any, ...], Callable[..., tuple[Any, ...]]] = {}
         self.lock = threading.Lock()
 
     def with_leading_size(self, size: int) -> BaseFn:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from . import functorch_levels
+from .composite_norms import with_composite_norms
 from .convert import on_another_device, torch_dtype
 from .replayed_calls import effects, effects_now, per_example_refusal, token_input
 from .rules.fallbacks import forward_mode, reverse_mode, vmap_auto, warn_once
@@ -267,17 +268,24 @@ def stage_avals(fun: TorchFn) -> list[tuple[tuple[Aval, ...], tuple[Aval, ...]]]
 def build(fun: TorchFn) -> Callable[..., tuple[Any, ...]]:
     """The PyTorch callable computing ``fun``, built once per transform tuple."""
     base = fun.base
-    built = base.built.get(fun.transforms)
+    # NOTE [normalizations at second order]: its own chain of callables, from the base up.
+    second_order = sum(isinstance(t, (Jvp, Vjp)) for t in fun.transforms) >= 2
+    mark = (_SECOND_ORDER,) if second_order else ()
+    built = base.built.get(mark + fun.transforms)
     if built is not None:
         return built
-    g = base.fn
+    g = with_composite_norms(base.fn) if second_order else base.fn
     prefix: tuple[Transform, ...] = ()
     for t, (ins, outs) in zip(fun.transforms, stage_avals(fun)):
         prefix = prefix + (t,)
-        cached = base.built.get(prefix)
+        key = mark + prefix
+        cached = base.built.get(key)
         if cached is None:
             cached = apply_transform(t, g, ins, outs, base=base, prefix=prefix)
             with base.lock:
-                base.built[prefix] = cached
+                base.built[key] = cached
         g = cached
     return g
+
+
+_SECOND_ORDER = "normalizations by plain ops"  # a key of base.built (NOTE [normalizations at second order])
