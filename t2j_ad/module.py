@@ -45,8 +45,15 @@ respect to its own parameters would silently come out zero. So the swap and
 the forward it wraps hold one lock per module object, shared by every
 ``jaxify_module`` of it (``_lock_of``: two wrappers of one module, called
 from two threads, ran each other's parameters and left a plain tensor where
-the module's Parameter was); the backward, which runs on the recorded graph
-after the call, does not. Graph mode traces the forward once (under the
+the module's Parameter was), and also the lock of every submodule it binds
+tensors into: two modules that share one (an actor and a critic on one
+encoder), called by one ``jax.jit`` whose independent custom calls XLA's
+CPU runtime ran at once, put back each other's tensors, and the encoder was
+left holding a plain tensor, one call's parameter, for good. The locks are
+taken in one global order (by the locks' ids), so two calls never wait on
+each other; a module whose submodules change between calls takes the
+locks it has then (``_holding_locks``). The backward, which runs on the
+recorded graph after the call, holds none. Graph mode traces the forward once (under the
 same lock) and never swaps again. A function that closes over the module
 (``jaxify(lambda x: model(x))``) takes no lock: on another thread while a
 ``jaxify_module`` call has swapped, it runs on that call's parameters.
@@ -221,6 +228,10 @@ class _SlotsNow:
     def _walk(self) -> None:
         self.slots = _TensorSlots(self._module)
         self._held = _tables_held(self.slots.modules)
+        # NOTE [one module, many threads]: the module's own lock and those of
+        # the submodules it binds tensors into, in one global order.
+        holding = [self._module] + [m for m in self.slots.modules if m._parameters or m._buffers]
+        self.locks = tuple(sorted({id(lock): lock for lock in map(_lock_of, holding)}.values(), key=id))
         # The params keys no parameter of the module answers to any more (a
         # parameter renamed after jaxify_module, as prune and parametrize
         # do): their arrays would be bound nowhere, silently.
@@ -232,6 +243,33 @@ class _SlotsNow:
         if len(held) != len(self._held) or not all(map(operator.is_, held, self._held)):
             self._walk()
         return self.slots
+
+
+@contextlib.contextmanager
+def _holding_locks(slots_now: _SlotsNow) -> Iterator[_TensorSlots]:
+    """Within the block, the module's locks are held (NOTE [one module, many
+    threads]); yields its slots as they are now."""
+    while True:
+        locks = slots_now.locks
+        for lock in locks:
+            lock.acquire()
+        try:
+            slots = slots_now.now()  # rewalked under the module's own lock, if it changed
+        except BaseException:
+            _release(locks)
+            raise
+        if slots_now.locks == locks:
+            break
+        _release(locks)  # a submodule came or went: take the locks it has now
+    try:
+        yield slots
+    finally:
+        _release(locks)
+
+
+def _release(locks: Sequence[threading.RLock]) -> None:
+    for lock in reversed(locks):
+        lock.release()
 
 
 def _unbound_params_error(module: torch.nn.Module, unbound: Sequence[str]) -> ModuleChangedError:
@@ -396,8 +434,7 @@ def jaxify_module(
     buffers = _BuffersByDevice(module)
     # NOTE [a module's devices]: copied now to where the parameters went.
     buffers.on(torch_device(_first_device(params.values(), device)))
-    in_module = _lock_of(module)  # NOTE [one module, many threads]
-    slots_now = _SlotsNow(module, list(params))  # read and rewalked under in_module
+    slots_now = _SlotsNow(module, list(params))  # read and rewalked under the module's locks
 
     def forward(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         on_device = buffers.on(_call_device(params, args, kwargs))
@@ -405,8 +442,8 @@ def jaxify_module(
         # forward that binds a new buffer keeps it, as in PyTorch; elsewhere on
         # copies. NOTE [binding tensors into a module]
         copies = None if on_device is buffers.home else on_device
-        with in_module, _fast_path_off:
-            slots = slots_now.now()  # the module as it is now, as functional_call found it
+        # The module as it is now, as functional_call found it. NOTE [one module, many threads]
+        with _holding_locks(slots_now) as slots, _fast_path_off:
             if slots_now.unbound:
                 raise _unbound_params_error(module, slots_now.unbound)
             try:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
+from conftest import TORCH_DEVICE, assert_tree_allclose, run_in_threads, to_numpy, to_torch
 
 import t2j_ad
 
@@ -323,6 +323,55 @@ def test_two_wrappers_of_one_module_on_two_threads_keep_their_own_params():
         t.join()
     assert wrong == [0, 0]
     assert module.lin.weight is weight
+
+
+@pytest.mark.parametrize("how", ["threads", "one_jit"])
+def test_two_modules_sharing_a_submodule_keep_its_parameter(how):
+    """An actor and a critic on one encoder, each jaxify_module'd: each held
+    its own lock only, so two calls at once (two threads, or one jax.jit
+    whose independent custom calls XLA's CPU runtime runs together) bound
+    their encoder weights into it together. The encoder was left holding a
+    plain tensor, one call's parameter, for good."""
+    import time
+
+    class Slow(nn.Module):
+        def forward(self, x):
+            time.sleep(0.002)  # calls overlap
+            return x
+
+    torch.manual_seed(0)
+    encoder = nn.Linear(256, 256)  # large enough for XLA to run the two calls of one jit together
+    actor = nn.Sequential(Slow(), encoder, nn.Tanh(), nn.Linear(256, 2)).to(TORCH_DEVICE)
+    critic = nn.Sequential(Slow(), encoder, nn.ReLU(), nn.Linear(256, 1)).to(TORCH_DEVICE)
+    weight = encoder.weight
+    apply_actor, actor_params = t2j_ad.jaxify_module(actor)
+    apply_critic, critic_params = t2j_ad.jaxify_module(critic)
+    critic_params = {**critic_params, "1.weight": critic_params["1.weight"] * 2}
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1024, 256)), jnp.float32)
+
+    def reference(params, last, x):
+        h = x @ params["1.weight"].T + params["1.bias"]
+        return last(h) @ params["3.weight"].T + params["3.bias"]
+
+    shifts = range(6)
+    expected = [(reference(actor_params, jnp.tanh, x + i), reference(critic_params, jax.nn.relu, x - i)) for i in shifts]
+    if how == "threads":
+        got = [[], []]
+        calls = ((apply_actor, actor_params, 1), (apply_critic, critic_params, -1))
+
+        def work(k):
+            apply, params, sign = calls[k]
+            got[k].extend(np.asarray(apply(params, x + sign * i)) for i in shifts)
+
+        run_in_threads(work, 2)
+        results = list(zip(*got))
+    else:
+        both = jax.jit(lambda pa, pc: [(apply_actor(pa, x + i), apply_critic(pc, x - i)) for i in shifts])
+        results = both(actor_params, critic_params)
+    for (actor_out, critic_out), (actor_expected, critic_expected) in zip(results, expected):
+        np.testing.assert_allclose(actor_out, actor_expected, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(critic_out, critic_expected, rtol=1e-4, atol=1e-5)
+    assert encoder.weight is weight and isinstance(encoder.weight, nn.Parameter)
 
 
 def test_jaxify_module_takes_output_shapes_for_a_module_that_cannot_run_on_zeros(x64):
