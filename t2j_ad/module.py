@@ -335,21 +335,35 @@ def _check_device(device: Any) -> None:
     )
 
 
-def _note_recast_params(err: Exception, params: Mapping[str, torch.Tensor], given: Mapping[str, torch.dtype]) -> None:
+def _note_recast_params(
+    err: Exception, params: Mapping[str, torch.Tensor], given: Mapping[str, torch.dtype], module: torch.nn.Module
+) -> None:
     """Name, on ``err`` (a failure inside the module), the entries of
     ``params`` whose dtype is not the one jaxify_module gave them: PyTorch
     then fails with a dtype mismatch that names no parameter (a float16 bias
-    in a float32 Linear: "self and mat2 must have the same dtype")."""
-    recast = [
-        f"params[{k!r}] is {jax_dtype(t.dtype)} where jaxify_module gave {jax_dtype(given[k])}"
-        for k, t in params.items()
-        if k in given and t.dtype != given[k]
-    ]
-    if recast:
-        err.add_note(
-            f"{'; '.join(recast)}. PyTorch computes with the dtypes it is given: cast every parameter and "
-            f"the inputs alike, or pass those entries in the dtypes jaxify_module gave them."
-        )
+    in a float32 Linear: "self and mat2 must have the same dtype"). Where
+    every entry was cast alike, the buffers left in another dtype are named
+    instead (``BatchNorm``'s running statistics)."""
+    recast = {k: t.dtype for k, t in params.items() if k in given and t.dtype != given[k]}
+    if not recast:
+        return
+    if len(recast) == len(given) and len(set(recast.values())) == 1:
+        dtype = next(iter(recast.values()))
+        left = {name: b.dtype for name, b in module.named_buffers() if b.is_floating_point() and b.dtype != dtype}
+        if left:
+            others = sorted({str(jax_dtype(d)) for d in left.values()})
+            err.add_note(
+                f"every params entry is {jax_dtype(dtype)}, but the module's buffers {', '.join(list(left)[:6])}"
+                f"{', ...' if len(left) > 6 else ''} are {', '.join(others)}: jaxify_module passes buffers as "
+                f"the module holds them. Call module.to({dtype}) before jaxify_module to compute in "
+                f"{jax_dtype(dtype)}."
+            )
+            return
+    named = [f"params[{k!r}] is {jax_dtype(d)} where jaxify_module gave {jax_dtype(given[k])}" for k, d in recast.items()]
+    err.add_note(
+        f"{'; '.join(named)}. PyTorch computes with the dtypes it is given: cast every parameter and "
+        f"the inputs alike, or pass those entries in the dtypes jaxify_module gave them."
+    )
 
 
 def _check_params(params: Any, expected: Mapping[str, jax.Array]) -> None:
@@ -450,7 +464,7 @@ def jaxify_module(
                 with _bound(slots.params, params), _bound(slots.buffers, copies):
                     return module(*args, **kwargs)
             except Exception as err:
-                _note_recast_params(err, params, given_dtypes)
+                _note_recast_params(err, params, given_dtypes, module)
                 raise
 
     forward.__qualname__ = f"{type(module).__name__}.forward"

@@ -474,6 +474,24 @@ def test_a_params_entry_cast_alone_is_named_in_pytorchs_dtype_error():
     np.testing.assert_array_equal(np.asarray(apply(half, x).astype(jnp.float32)), to_numpy(expected.float()))
 
 
+def test_params_cast_alike_name_the_buffers_left_in_another_dtype():
+    """Every params entry and the input in bfloat16, BatchNorm's running
+    statistics still float32: the note told the user to cast every parameter
+    and the inputs alike, which they had, and named no buffer."""
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).eval().to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(net)
+    half = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    x = jnp.ones((2, 3), jnp.bfloat16)
+    named = r"buffers 1\.running_mean, 1\.running_var are float32: .*module\.to\(torch\.bfloat16\)"
+    with pytest.raises(Exception, match=named):
+        jax.block_until_ready(apply(half, x))
+    # The fix it names: the module in bfloat16 before jaxify_module, as PyTorch runs it.
+    apply, params = t2j_ad.jaxify_module(net.to(torch.bfloat16))
+    with torch.no_grad():
+        expected = net(to_torch(x.astype(jnp.float32)).bfloat16())
+    np.testing.assert_array_equal(np.asarray(apply(params, x).astype(jnp.float32)), to_numpy(expected.float()))
+
+
 def test_params_of_a_parameter_renamed_after_jaxify_module_are_refused_by_name():
     """prune renames weight to weight_orig: params['0.weight'] was then bound
     nowhere, silently (its gradient 0, its value ignored), where
