@@ -72,52 +72,37 @@ def _per_channel(t: torch.Tensor | None, ndim: int) -> torch.Tensor | None:
     return None if t is None else t.reshape((-1,) + (1,) * (ndim - 2))
 
 
-def _batch_norm(
-    input: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    training: bool,
-    momentum: float,
-    eps: float,
-    cudnn_enabled: bool,
-) -> torch.Tensor:
-    """``torch.batch_norm``'s signature."""
-    if not training and running_mean is not None and running_var is not None:
-        # Running statistics are constants: the fused op is right.
-        return torch.batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled)
-    if running_mean is not None or running_var is not None:
-        with torch.no_grad():  # the running statistics' update alone (NOTE [normalizations at second order])
-            torch.batch_norm(input.detach(), None, None, running_mean, running_var, True, momentum, eps, cudnn_enabled)
-    dims = (0,) + tuple(range(2, input.dim()))
-    ndim = input.dim()
-    return _normalized(input, dims, _per_channel(weight, ndim), _per_channel(bias, ndim), eps)[0]
+def _by_batch_statistics(fused: Callable[..., torch.Tensor], reduced: tuple[int, ...]) -> Callable[..., torch.Tensor]:
+    """``fused`` (``torch.batch_norm`` or ``torch.instance_norm``, whose
+    signatures are one) by plain ops, normalizing over the dimensions
+    ``reduced`` and those from 2 on, where it uses the input's statistics."""
+
+    def norm(
+        input: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        use_input_stats: bool,
+        momentum: float,
+        eps: float,
+        cudnn_enabled: bool,
+    ) -> torch.Tensor:
+        if not use_input_stats and running_mean is not None and running_var is not None:
+            # Running statistics are constants: the fused op is right.
+            return fused(input, weight, bias, running_mean, running_var, False, momentum, eps, cudnn_enabled)
+        if running_mean is not None or running_var is not None:
+            with torch.no_grad():  # the running statistics' update alone (NOTE [normalizations at second order])
+                fused(input.detach(), None, None, running_mean, running_var, True, momentum, eps, cudnn_enabled)
+        ndim = input.dim()
+        dims = reduced + tuple(range(2, ndim))
+        return _normalized(input, dims, _per_channel(weight, ndim), _per_channel(bias, ndim), eps)[0]
+
+    return norm
 
 
-def _instance_norm(
-    input: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    use_input_stats: bool,
-    momentum: float,
-    eps: float,
-    cudnn_enabled: bool,
-) -> torch.Tensor:
-    """``torch.instance_norm``'s signature."""
-    if not use_input_stats:
-        return torch.instance_norm(
-            input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled
-        )
-    if running_mean is not None or running_var is not None:
-        with torch.no_grad():
-            torch.instance_norm(input.detach(), None, None, running_mean, running_var, True, momentum, eps, cudnn_enabled)
-    ndim = input.dim()
-    return _normalized(
-        input, tuple(range(2, ndim)), _per_channel(weight, ndim), _per_channel(bias, ndim), eps
-    )[0]
+_batch_norm = _by_batch_statistics(torch.batch_norm, (0,))
+_instance_norm = _by_batch_statistics(torch.instance_norm, ())
 
 
 def _functional_batch_norm(
