@@ -292,7 +292,7 @@ class JaxifiedFunction:
                 except (TypeError, UnsupportedDtypeError) as err:
                     raise TypeError(f"jaxify: {where}: {err}") from None
             mutation_checked = False
-            inferred_on = None
+            inferred_on = inferred_runs = None
             effects = None
         else:
             # NOTE [inference on the call's device] in inference.py
@@ -309,7 +309,7 @@ class JaxifiedFunction:
                 if not hint:
                     raise
                 raise TorchCallError(f"{err}{hint}") from err
-            inferred_on = inferred.device
+            inferred_on, inferred_runs = inferred.device, inferred.runs
             effects = inferred.effects
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred.outputs, is_leaf=_is_output_leaf)
             declared = []
@@ -363,6 +363,7 @@ class JaxifiedFunction:
             find_effects=None if effects is None else _effects_finder(raw, in_avals, self.name, call_on, modules, dicts),
         )
         base.referenced_modules = modules  # type: ignore[attr-defined]
+        base.inferred_runs = inferred_runs  # type: ignore[attr-defined]
         base.structure = structure  # type: ignore[attr-defined]
         base.referenced_dicts = dicts  # type: ignore[attr-defined]
         base.in_names = in_names  # type: ignore[attr-defined]

@@ -103,6 +103,7 @@ class Inferred(NamedTuple):
     outputs: Any
     device: torch.device  # meta, or where the zeros (or ones) were
     effects: Effects
+    runs: str = "on zeros and on ones"  # the real calls it took, for the runtime's errors
 
 
 def _run(
@@ -215,7 +216,7 @@ def infer_outputs(
             on_ones = on_ones or err
             continue
         _refuse_unchecked_empty(name, where, outputs)
-        return Inferred(outputs, where, effects)
+        return Inferred(outputs, where, effects, "on ones alone (it failed on zeros)")
     where, err = first
     lines = str(on_ones).strip().splitlines()
     raise TorchCallError(

@@ -344,6 +344,7 @@ def _variant(
     )
     variant.effects_root = base  # type: ignore[attr-defined]
     variant.referenced_modules = getattr(base, "referenced_modules", ())  # type: ignore[attr-defined]
+    variant.inferred_runs = getattr(base, "inferred_runs", None)  # type: ignore[attr-defined]
     variant.referenced_dicts = getattr(base, "referenced_dicts", ())  # type: ignore[attr-defined]
     variant.replays = replays  # type: ignore[attr-defined]
     variant.generator_key = key  # type: ignore[attr-defined]

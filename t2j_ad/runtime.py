@@ -566,7 +566,7 @@ class _Runner:
         elif where.type == "meta":
             own = "inferred on PyTorch's meta device"
         else:
-            own = f"inferred by calls on zeros and on ones on {where}"
+            own = f"inferred by calls {getattr(self.base, 'inferred_runs', None) or 'on zeros and on ones'} on {where}"
         if self.transforms:
             return (
                 f"JAX's rules give for {self.name} from the function's own output shapes ({own}). "

@@ -344,6 +344,16 @@ def test_a_function_refusing_zeros_is_checked_on_ones_alone():
     declared = t2j_ad.jaxify(positive_and_not_one, output_shapes=jax.ShapeDtypeStruct((2,), jnp.float32))
     np.testing.assert_array_equal(declared(jnp.array([0.5, 2.0])), [1.0, 4.0])
 
+    def sized_by_the_values(x):
+        if not bool((x != 0).all()):
+            raise ValueError("zeros are not allowed")
+        return torch.zeros(int(x.sum().round()), device=x.device)
+
+    # The first real call refuses the shape, saying how the expected one was found.
+    how = r"as inferred by calls on ones alone \(it failed on zeros\)"
+    with pytest.raises((t2j_ad.TorchCallError, jax.errors.JaxRuntimeError), match=how):
+        jax.block_until_ready(t2j_ad.jaxify(sized_by_the_values)(jnp.full((6,), 1.4)))
+
 
 def test_forward_runs_under_grad_mode_with_controlled_threads():
     # NOTE [calls run with grad mode on]: as PyTorch runs a function by default.
