@@ -15,15 +15,20 @@ outside functorch (``torch.autograd.functional.hessian``).
 
 So a call with two or more derivative transforms (Jvp or Vjp, however
 batched) runs its function with ``torch.nn.functional.layer_norm`` /
-``batch_norm`` / ``instance_norm`` (and the ``torch.`` functions they call)
-computed by plain ops -- mean, biased variance, ``rsqrt`` -- which every
+``batch_norm`` / ``instance_norm``, the ``torch.`` functions they call and
+the aten ops under those (``torch.native_layer_norm``,
+``torch.ops.aten.native_batch_norm``, ``_native_batch_norm_legit``: code
+that calls them directly got the same wrong numbers) computed by plain ops -- mean, biased variance, ``rsqrt`` -- which every
 transform differentiates right to any order. Half-precision inputs are
 normalized in float32 as PyTorch's kernels do. Batch statistics still
 update the running ones exactly as PyTorch does: the fused op runs once
 more on the detached input for that alone, its output unused. Calls of
 order zero and one keep the fused kernels. The mode costs a Python hook
 per PyTorch call inside the function, in those calls only (a graph-mode
-trace records the plain ops, and its replays pay nothing).
+trace records the plain ops, and its replays pay nothing). TorchScript
+code runs below any Python mode, so a scripted module that normalizes by
+its input's statistics is refused at second order, by name (its parameter
+Hessian was off by 50); first derivatives and eval-mode batch norm run.
 """
 
 from __future__ import annotations
@@ -40,18 +45,33 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def _normalized(
     x: torch.Tensor, dims: Sequence[int], weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x - mean) * rsqrt(var + eps) over ``dims``, in float32 for half
-    inputs, and the mean; ``weight`` and ``bias`` already broadcast."""
+    inputs, with the mean and rsqrt(var + eps) (``dims`` kept, in ``x``'s
+    dtype, as PyTorch's kernels return them); ``weight`` and ``bias``
+    already broadcast."""
     acc = x.float() if x.dtype in _HALF else x
     mean = acc.mean(dims, keepdim=True)
     centered = acc - mean
-    out = centered * torch.rsqrt((centered * centered).mean(dims, keepdim=True) + eps)
+    rstd = torch.rsqrt((centered * centered).mean(dims, keepdim=True) + eps)
+    out = centered * rstd
     if weight is not None:
         out = out * weight
     if bias is not None:
         out = out + bias
-    return out.to(x.dtype), mean
+    return out.to(x.dtype), mean.to(x.dtype), rstd.to(x.dtype)
+
+
+def _native_layer_norm(
+    input: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.native_layer_norm``'s signature and results."""
+    n = len(tuple(normalized_shape)) if not isinstance(normalized_shape, int) else 1
+    return _normalized(input, tuple(range(input.dim() - n, input.dim())), weight, bias, eps)
 
 
 def _layer_norm(
@@ -60,11 +80,10 @@ def _layer_norm(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
-    *_: Any,
-    **__: Any,
+    cudnn_enable: bool = True,
 ) -> torch.Tensor:
-    n = len(tuple(normalized_shape)) if not isinstance(normalized_shape, int) else 1
-    return _normalized(input, tuple(range(input.dim() - n, input.dim())), weight, bias, eps)[0]
+    """``torch.layer_norm``'s signature."""
+    return _native_layer_norm(input, normalized_shape, weight, bias, eps)[0]
 
 
 def _per_channel(t: torch.Tensor | None, ndim: int) -> torch.Tensor | None:
@@ -72,37 +91,90 @@ def _per_channel(t: torch.Tensor | None, ndim: int) -> torch.Tensor | None:
     return None if t is None else t.reshape((-1,) + (1,) * (ndim - 2))
 
 
-def _by_batch_statistics(fused: Callable[..., torch.Tensor], reduced: tuple[int, ...]) -> Callable[..., torch.Tensor]:
-    """``fused`` (``torch.batch_norm`` or ``torch.instance_norm``, whose
-    signatures are one) by plain ops, normalizing over the dimensions
-    ``reduced`` and those from 2 on, where it uses the input's statistics."""
-
-    def norm(
-        input: torch.Tensor,
-        weight: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        running_mean: torch.Tensor | None,
-        running_var: torch.Tensor | None,
-        use_input_stats: bool,
-        momentum: float,
-        eps: float,
-        cudnn_enabled: bool,
-    ) -> torch.Tensor:
-        if not use_input_stats and running_mean is not None and running_var is not None:
-            # Running statistics are constants: the fused op is right.
-            return fused(input, weight, bias, running_mean, running_var, False, momentum, eps, cudnn_enabled)
-        if running_mean is not None or running_var is not None:
-            with torch.no_grad():  # the running statistics' update alone (NOTE [normalizations at second order])
-                fused(input.detach(), None, None, running_mean, running_var, True, momentum, eps, cudnn_enabled)
-        ndim = input.dim()
-        dims = reduced + tuple(range(2, ndim))
-        return _normalized(input, dims, _per_channel(weight, ndim), _per_channel(bias, ndim), eps)[0]
-
-    return norm
+def _by_input_statistics(
+    update: Callable[..., torch.Tensor],
+    reduced: tuple[int, ...],
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    momentum: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``input`` normalized by its own statistics over the dimensions
+    ``reduced`` and those from 2 on, with the mean and rsqrt(var + eps);
+    ``update`` (``torch.batch_norm`` or ``torch.instance_norm``) updates the
+    running statistics, on the detached input (NOTE [normalizations at
+    second order])."""
+    if running_mean is not None or running_var is not None:
+        with torch.no_grad():
+            update(input.detach(), None, None, running_mean, running_var, True, momentum, eps, True)
+    ndim = input.dim()
+    dims = reduced + tuple(range(2, ndim))
+    return _normalized(input, dims, _per_channel(weight, ndim), _per_channel(bias, ndim), eps)
 
 
-_batch_norm = _by_batch_statistics(torch.batch_norm, (0,))
-_instance_norm = _by_batch_statistics(torch.instance_norm, ())
+def _native_batch_norm(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.native_batch_norm``'s signature and results."""
+    if not training and running_mean is not None and running_var is not None:
+        # Running statistics are constants: the fused op is right.
+        return torch.native_batch_norm(input, weight, bias, running_mean, running_var, False, momentum, eps)
+    args = (input, weight, bias, running_mean, running_var, momentum, eps)
+    out, mean, rstd = _by_input_statistics(torch.batch_norm, (0,), *args)
+    return out, mean.reshape(-1), rstd.reshape(-1)
+
+
+def _native_batch_norm_legit(
+    input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, *rest: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch._native_batch_norm_legit``'s two signatures: with running
+    statistics, or without (``training, momentum, eps``)."""
+    running = (None, None) if len(rest) == 3 else ()
+    return _native_batch_norm(input, weight, bias, *running, *rest)
+
+
+def _batch_norm(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    cudnn_enabled: bool = True,
+) -> torch.Tensor:
+    """``torch.batch_norm``'s signature."""
+    return _native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)[0]
+
+
+def _instance_norm(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    use_input_stats: bool,
+    momentum: float,
+    eps: float,
+    cudnn_enabled: bool = True,
+) -> torch.Tensor:
+    """``torch.instance_norm``'s signature."""
+    if not use_input_stats:
+        return torch.instance_norm(
+            input, weight, bias, running_mean, running_var, False, momentum, eps, cudnn_enabled
+        )
+    return _by_input_statistics(torch.instance_norm, (), input, weight, bias, running_mean, running_var, momentum, eps)[0]
 
 
 def _functional_batch_norm(
@@ -133,14 +205,32 @@ def _functional_instance_norm(
     return _instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, True)
 
 
-# PyTorch's functions -> the same by plain ops, with the same signature.
-_COMPOSITE: dict[Callable[..., Any], Callable[..., torch.Tensor]] = {
+# PyTorch's functions, and the aten ops they call, -> the same by plain ops,
+# with the same signature (an aten op's packet and overloads alike, but for
+# those that write into an out= tensor).
+_aten = torch.ops.aten
+_COMPOSITE: dict[Callable[..., Any], Callable[..., Any]] = {
     F.layer_norm: _layer_norm,
-    torch.layer_norm: _layer_norm,
     F.batch_norm: _functional_batch_norm,
-    torch.batch_norm: _batch_norm,
     F.instance_norm: _functional_instance_norm,
+    torch.layer_norm: _layer_norm,
+    torch.native_layer_norm: _native_layer_norm,
+    torch.batch_norm: _batch_norm,
+    torch.native_batch_norm: _native_batch_norm,
+    torch._native_batch_norm_legit: _native_batch_norm_legit,
     torch.instance_norm: _instance_norm,
+    **{
+        op: composite
+        for packet, composite in (
+            (_aten.layer_norm, _layer_norm),
+            (_aten.native_layer_norm, _native_layer_norm),
+            (_aten.batch_norm, _batch_norm),
+            (_aten.native_batch_norm, _native_batch_norm),
+            (_aten._native_batch_norm_legit, _native_batch_norm_legit),
+            (_aten.instance_norm, _instance_norm),
+        )
+        for op in (packet, *(getattr(packet, name) for name in packet.overloads() if "out" not in name))
+    },
 }
 
 
@@ -151,11 +241,51 @@ class _CompositeNorms(TorchFunctionMode):
         return _COMPOSITE.get(func, func)(*args, **(kwargs or {}))
 
 
-def with_composite_norms(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, run with normalizations by plain ops (NOTE [normalizations at second order])."""
+def with_composite_norms(fn: Callable[..., Any], modules: Sequence[torch.nn.Module] = ()) -> Callable[..., Any]:
+    """``fn``, run with normalizations by plain ops (NOTE [normalizations at
+    second order]); ``modules``: those it refers to. A TorchScript module
+    among them that normalizes by its input's statistics hides those calls
+    from the mode: ``fn`` then raises a ``ValueError`` naming it (no
+    fallback of PyTorch errors takes it for a refusal of torch.func's)."""
+    scripted = _scripted_norms(modules)
 
     def run(*args: Any) -> Any:
+        if scripted:
+            raise ValueError(
+                f"{', '.join(scripted)} normalizes inside TorchScript, where torch.func's second derivatives of "
+                f"it are wrong (pytorch/pytorch#196700) and t2j_ad cannot compute them by plain ops as it does "
+                f"in Python code. Pass the module as it was before torch.jit.script, or take first derivatives "
+                f"only."
+            )
         with _CompositeNorms():
             return fn(*args)
 
     return run
+
+
+# The ops a TorchScript graph normalizes by its input's statistics with
+# (batch_norm does in training mode only).
+_SCRIPTED_OPS = ("aten::layer_norm", "aten::native_layer_norm", "aten::instance_norm")
+
+
+def _scripted_norms(modules: Sequence[torch.nn.Module]) -> list[str]:
+    """The outermost TorchScript modules in ``modules`` (and their
+    submodules) whose code, inlined, normalizes by its input's statistics,
+    each with those ops."""
+    found: list[str] = []
+    covered: set[int] = set()
+    for top in modules:
+        for sub in top.modules():
+            if id(sub) in covered or not isinstance(sub, torch.jit.ScriptModule):
+                continue
+            covered.update(id(m) for m in sub.modules())
+            try:
+                graph = str(sub.inlined_graph)
+            except (AttributeError, RuntimeError):  # a container without a forward
+                continue
+            ops = [op for op in _SCRIPTED_OPS if op in graph]
+            if sub.training and "aten::batch_norm" in graph:
+                ops.append("aten::batch_norm in training mode")
+            if ops:
+                found.append(f"the TorchScript module {sub.original_name} ({', '.join(ops)})")
+    return found

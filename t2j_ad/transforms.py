@@ -274,7 +274,7 @@ def build(fun: TorchFn) -> Callable[..., tuple[Any, ...]]:
     built = base.built.get(mark + fun.transforms)
     if built is not None:
         return built
-    g = with_composite_norms(base.fn) if second_order else base.fn
+    g = with_composite_norms(base.fn, getattr(base, "referenced_modules", ())) if second_order else base.fn
     prefix: tuple[Transform, ...] = ()
     for t, (ins, outs) in zip(fun.transforms, stage_avals(fun)):
         prefix = prefix + (t,)

@@ -75,6 +75,34 @@ def test_second_derivatives_through_a_norm_agree_with_jax(norm, how, mode, x64):
     assert_tree_allclose(jax.grad(f, argnums=(0, 1, 2))(*args), jax.grad(reference, argnums=(0, 1, 2))(*args), rtol=1e-10)
 
 
+# The aten ops the functions above call, called directly: name -> (the op's
+# output, the NORMS entry whose math it is).
+DIRECT = {
+    "torch.native_layer_norm": (lambda x, w, b: torch.native_layer_norm(x, (4, 5), w, b, EPS)[0], "layer_norm"),
+    "aten.layer_norm.default": (lambda x, w, b: torch.ops.aten.layer_norm.default(x, [4, 5], w, b), "layer_norm"),
+    "torch.native_batch_norm": (
+        lambda x, w, b: torch.native_batch_norm(x, w, b, None, None, True, 0.1, EPS)[0],
+        "batch_norm",
+    ),
+    "aten._native_batch_norm_legit.no_stats": (
+        lambda x, w, b: torch.ops.aten._native_batch_norm_legit.no_stats(x, w, b, True, 0.1, EPS)[0],
+        "batch_norm",
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("op", sorted(DIRECT))
+def test_second_derivatives_through_an_aten_norm_called_directly(op, mode, x64):
+    t_norm, name = DIRECT[op]
+    j_norm, param_shape = NORMS[name][1:]
+    f = t2j_ad.jaxify(lambda x, w, b: (t_norm(x, w, b) ** 3).sum(), compile=mode)
+    args = _arguments(param_shape)
+    reference = lambda x, w, b: jnp.sum(j_norm(x, w, b) ** 3)  # noqa: E731
+    hessian = SECOND_ORDER["hessian"]
+    assert_tree_allclose(hessian(f)(*args), hessian(reference)(*args), rtol=1e-9, atol=1e-9)
+
+
 def test_torch_func_is_still_wrong_where_t2j_ad_is_right(x64):
     """If a PyTorch release fixes pytorch/pytorch#196700, the plain ops are no
     longer needed: this test then fails, so the workaround can go."""
@@ -123,3 +151,36 @@ def test_a_half_precision_layer_norm_normalizes_in_float32():
     reference = lambda x: jnp.sum(_jnp_normalized(x, (1,)) ** 3)  # noqa: E731
     expected = jax.jvp(jax.grad(reference), (x.astype(jnp.float32),), (v.astype(jnp.float32),))[1]
     np.testing.assert_allclose(np.asarray(hvp, np.float32), expected, rtol=0.05, atol=0.05)
+
+
+def test_a_torchscript_module_that_normalizes_is_refused_at_second_order(x64):
+    """TorchScript hides its norms from the plain-op mode: a scripted
+    LayerNorm's parameter Hessian was off by 50, silently. It is refused,
+    naming the module; first derivatives run, and a scripted module whose
+    batch norm uses running statistics (eval mode) keeps its Hessian."""
+    torch.manual_seed(0)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(3, 5)))
+    layer_normed = torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.LayerNorm(5)).double().to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(torch.jit.script(layer_normed))
+    loss = lambda p: jnp.sum(apply(p, x) ** 3)  # noqa: E731
+    with pytest.raises(Exception, match=r"TorchScript module Sequential \(aten::layer_norm\) normalizes inside"):
+        jax.block_until_ready(jax.hessian(loss)(params))
+    expected = torch.func.grad(lambda p: (torch.func.functional_call(layer_normed, p, (to_torch(x),)) ** 3).sum())(
+        {k: to_torch(v) for k, v in params.items()}
+    )
+    assert_tree_allclose(jax.grad(loss)(params), {k: to_numpy(v) for k, v in expected.items()}, rtol=1e-10)
+
+    batch_normed = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4)).double().eval()
+    with torch.no_grad():
+        batch_normed[1].running_mean.uniform_(-1, 1)
+        batch_normed[1].running_var.uniform_(0.5, 2)
+    apply, params = t2j_ad.jaxify_module(torch.jit.script(batch_normed).to(TORCH_DEVICE))
+    mean, var = (jnp.asarray(to_numpy(getattr(batch_normed[1], n))) for n in ("running_mean", "running_var"))
+
+    def reference(p):
+        h = x @ p["0.weight"].T + p["0.bias"]
+        return jnp.sum(((h - mean) / jnp.sqrt(var + EPS) * p["1.weight"] + p["1.bias"]) ** 3)
+
+    assert_tree_allclose(
+        jax.hessian(lambda p: jnp.sum(apply(p, x) ** 3))(params), jax.hessian(reference)(params), rtol=1e-9, atol=1e-10
+    )
