@@ -92,46 +92,49 @@ def _per_channel(t: torch.Tensor | None, ndim: int) -> torch.Tensor | None:
 
 
 def _by_input_statistics(
-    update: Callable[..., torch.Tensor],
-    reduced: tuple[int, ...],
-    input: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    momentum: float,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``input`` normalized by its own statistics over the dimensions
-    ``reduced`` and those from 2 on, with the mean and rsqrt(var + eps);
-    ``update`` (``torch.batch_norm`` or ``torch.instance_norm``) updates the
-    running statistics, on the detached input (NOTE [normalizations at
-    second order])."""
-    if running_mean is not None or running_var is not None:
-        with torch.no_grad():
-            update(input.detach(), None, None, running_mean, running_var, True, momentum, eps, True)
-    ndim = input.dim()
-    dims = reduced + tuple(range(2, ndim))
-    return _normalized(input, dims, _per_channel(weight, ndim), _per_channel(bias, ndim), eps)
+    with_running: Callable[..., tuple[torch.Tensor, ...]], update: Callable[..., torch.Tensor], reduced: tuple[int, ...]
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """A norm with ``torch.native_batch_norm``'s signature and results that
+    normalizes ``input`` by its own statistics over the dimensions
+    ``reduced`` and those from 2 on, by plain ops; ``update``
+    (``torch.batch_norm`` or ``torch.instance_norm``) updates the running
+    statistics, on the detached input (NOTE [normalizations at second
+    order]). Where it normalizes by the running statistics, constants,
+    ``with_running`` (PyTorch's fused op) computes it."""
+
+    def norm(
+        input: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        use_input_stats: bool,
+        momentum: float,
+        eps: float,
+    ) -> tuple[torch.Tensor, ...]:
+        if not use_input_stats and running_mean is not None and running_var is not None:
+            return with_running(input, weight, bias, running_mean, running_var, momentum, eps)
+        if running_mean is not None or running_var is not None:
+            with torch.no_grad():
+                update(input.detach(), None, None, running_mean, running_var, True, momentum, eps, True)
+        ndim = input.dim()
+        dims = reduced + tuple(range(2, ndim))
+        out, mean, rstd = _normalized(input, dims, _per_channel(weight, ndim), _per_channel(bias, ndim), eps)
+        return out, mean.reshape(-1), rstd.reshape(-1)
+
+    return norm
 
 
-def _native_batch_norm(
-    input: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    training: bool,
-    momentum: float,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``torch.native_batch_norm``'s signature and results."""
-    if not training and running_mean is not None and running_var is not None:
-        # Running statistics are constants: the fused op is right.
-        return torch.native_batch_norm(input, weight, bias, running_mean, running_var, False, momentum, eps)
-    args = (input, weight, bias, running_mean, running_var, momentum, eps)
-    out, mean, rstd = _by_input_statistics(torch.batch_norm, (0,), *args)
-    return out, mean.reshape(-1), rstd.reshape(-1)
+_native_batch_norm = _by_input_statistics(
+    lambda x, w, b, mean, var, momentum, eps: torch.native_batch_norm(x, w, b, mean, var, False, momentum, eps),
+    torch.batch_norm,
+    (0,),
+)
+_native_instance_norm = _by_input_statistics(
+    lambda x, w, b, mean, var, momentum, eps: (torch.instance_norm(x, w, b, mean, var, False, momentum, eps, True),),
+    torch.instance_norm,
+    (),
+)
 
 
 def _native_batch_norm_legit(
@@ -143,38 +146,27 @@ def _native_batch_norm_legit(
     return _native_batch_norm(input, weight, bias, *running, *rest)
 
 
-def _batch_norm(
-    input: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    training: bool,
-    momentum: float,
-    eps: float,
-    cudnn_enabled: bool = True,
-) -> torch.Tensor:
-    """``torch.batch_norm``'s signature."""
-    return _native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)[0]
+def _output_of(native: Callable[..., tuple[torch.Tensor, ...]]) -> Callable[..., torch.Tensor]:
+    """``torch.batch_norm`` / ``torch.instance_norm`` (one signature) by ``native``."""
+
+    def norm(
+        input: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        use_input_stats: bool,
+        momentum: float,
+        eps: float,
+        cudnn_enabled: bool = True,
+    ) -> torch.Tensor:
+        return native(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps)[0]
+
+    return norm
 
 
-def _instance_norm(
-    input: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    use_input_stats: bool,
-    momentum: float,
-    eps: float,
-    cudnn_enabled: bool = True,
-) -> torch.Tensor:
-    """``torch.instance_norm``'s signature."""
-    if not use_input_stats:
-        return torch.instance_norm(
-            input, weight, bias, running_mean, running_var, False, momentum, eps, cudnn_enabled
-        )
-    return _by_input_statistics(torch.instance_norm, (), input, weight, bias, running_mean, running_var, momentum, eps)[0]
+_batch_norm = _output_of(_native_batch_norm)
+_instance_norm = _output_of(_native_instance_norm)
 
 
 def _functional_batch_norm(
