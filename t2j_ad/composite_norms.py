@@ -4,22 +4,23 @@ NOTE [normalizations at second order]
 ``torch.func`` gets second derivatives through ``layer_norm``,
 ``batch_norm`` with batch statistics and ``instance_norm`` wrong, by up
 to tens in a Hessian's entries, silently (pytorch/pytorch#196700 and
-#196699; torch 2.13, every pairing of ``jacfwd`` and ``jacrev``). The
-fused kernels return the mean and inverse standard deviation they used as
-outputs without derivatives, and the formulas that differentiate their
-backward a second time under functorch treat those as constants: in
+#196699; torch 2.13, every pairing of ``jacfwd`` and ``jacrev``): in
 ``jax.hessian`` of ``(F.layer_norm(h, (4,), w) ** 2).sum()`` the
-d/dh d/dw block is off by 1.7, so the Hessian is not even symmetric.
-First derivatives are right, and so is PyTorch's own double backward
-outside functorch (``torch.autograd.functional.hessian``).
+d/dh d/dw block is off by 1.7, so the Hessian is not even symmetric. The
+fused kernels hand their backward the mean and inverse standard deviation
+as outputs without derivatives, and the issues trace the error to the
+formulas that differentiate that backward again. First derivatives are
+right, and so is PyTorch's own double backward outside functorch
+(``torch.autograd.functional.hessian``).
 
 So a call with two or more derivative transforms (Jvp or Vjp, however
 batched) runs its function with ``torch.nn.functional.layer_norm`` /
 ``batch_norm`` / ``instance_norm``, the ``torch.`` functions they call and
 the aten ops under those (``torch.native_layer_norm``,
 ``torch.ops.aten.native_batch_norm``, ``_native_batch_norm_legit``: code
-that calls them directly got the same wrong numbers) computed by plain ops -- mean, biased variance, ``rsqrt`` -- which every
-transform differentiates right to any order. Half-precision inputs are
+that calls them directly got the same wrong numbers) computed by plain
+ops -- mean, biased variance, ``rsqrt`` -- which every transform
+differentiates right to any order. Half-precision inputs are
 normalized in float32 as PyTorch's kernels do. Batch statistics still
 update the running ones exactly as PyTorch does: the fused op runs once
 more on the detached input for that alone, its output unused. Calls of
