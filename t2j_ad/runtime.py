@@ -566,7 +566,8 @@ class _Runner:
         elif where.type == "meta":
             own = "inferred on PyTorch's meta device"
         else:
-            own = f"inferred by calls {getattr(self.base, 'inferred_runs', None) or 'on zeros and on ones'} on {where}"
+            runs = getattr(self.base, "inferred_runs", None) or "on zeros and on ones"
+            own = f"inferred by calls {runs} on {where}"
         if self.transforms:
             return (
                 f"JAX's rules give for {self.name} from the function's own output shapes ({own}). "
