@@ -26,14 +26,26 @@ def _restrict(g: Flat, primals: Sequence[torch.Tensor], wrt: Sequence[int], out:
     """``g`` as a function of the ``wrt`` inputs alone, returning ``out``.
 
     Inputs outside ``wrt`` are closed over, so PyTorch never differentiates
-    with respect to them (symbolic zeros stay symbolic).
+    with respect to them (symbolic zeros stay symbolic). A fallback runs
+    ``g`` more than once on them, so each run gets them with the
+    ``requires_grad`` flags they came with: a function that sets it on an
+    input (``x if x.requires_grad else x.requires_grad_(True)``, before a
+    ``torch.autograd.grad`` of its own) left it set for the next run, which
+    then skipped the call that makes torch.func refuse it, and the Hessian
+    failed inside PyTorch ("appears to not have been used in the graph").
     """
+    closed = [(p, p.requires_grad) for i, p in enumerate(primals) if i not in wrt and isinstance(p, torch.Tensor)]
 
     def restricted(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         full = list(primals)
         for i, v in zip(wrt, values):
             full[i] = v
-        outs = g(*full)
+        try:
+            outs = g(*full)
+        finally:
+            for p, flag in closed:
+                if p.requires_grad is not flag:
+                    p.requires_grad_(flag)
         return tuple(outs[j] for j in out)
 
     return restricted

@@ -661,3 +661,29 @@ def test_forward_ad_used_inside_the_function_gets_forward_mode_by_double_vjp(mod
         warnings.simplefilter("ignore", t2j_ad.FallbackWarning)
         np.testing.assert_allclose(jax.jacfwd(jf)(x), jax.grad(reference)(x), rtol=1e-12)
         np.testing.assert_allclose(jax.hessian(jf)(x), jax.hessian(reference)(x), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_requires_grad_flag_set_on_an_input_does_not_reach_the_next_run(mode, x64):
+    """The PyTorch idiom of a residual by torch.autograd.grad (a PINN's u_x):
+    set requires_grad on the input unless it is set. The double-vjp fallback
+    runs the function more than once on the same closed-over input, and the
+    first run's flag skipped, in the next, the call that makes torch.func
+    refuse the function: jax.hessian failed inside PyTorch ("appears to not
+    have been used in the graph")."""
+
+    def f(w, x):
+        x = x if x.requires_grad else x.requires_grad_(True)
+        u = torch.tanh(x * w).sum()
+        return (torch.autograd.grad(u, x, create_graph=True)[0] ** 2).sum()
+
+    def reference(w, x):
+        return (jax.grad(lambda x: jnp.tanh(x * w).sum())(x) ** 2).sum()
+
+    jf = t2j_ad.jaxify(f, compile=mode)
+    w, x, v = jnp.array([0.7, -0.3]), jnp.array([0.5, 1.5]), jnp.array([1.0, -2.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", t2j_ad.FallbackWarning)
+        np.testing.assert_allclose(jax.hessian(jf)(w, x), jax.hessian(reference)(w, x), rtol=1e-12)
+        hvp = jax.jvp(jax.grad(lambda w: jf(w, x)), (w,), (v,))[1]
+        np.testing.assert_allclose(hvp, jax.jvp(jax.grad(lambda w: reference(w, x)), (w,), (v,))[1], rtol=1e-12)
