@@ -352,6 +352,7 @@ class JaxifiedFunction:
             torch_out_dtypes=tuple(t for *_, t in declared),
             mutation_checked=mutation_checked,
             inferred_on=inferred_on,
+            inferred_runs=inferred_runs,
             autograd_vjp=self.autograd_vjp,
             direct=direct,
             direct_single=direct is not None and flat.single_tensor,
@@ -363,7 +364,6 @@ class JaxifiedFunction:
             find_effects=None if effects is None else _effects_finder(raw, in_avals, self.name, call_on, modules, dicts),
         )
         base.referenced_modules = modules  # type: ignore[attr-defined]
-        base.inferred_runs = inferred_runs  # type: ignore[attr-defined]
         base.structure = structure  # type: ignore[attr-defined]
         base.referenced_dicts = dicts  # type: ignore[attr-defined]
         base.in_names = in_names  # type: ignore[attr-defined]

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .rules.fallbacks import FallbackWarning
+from .rules.fallbacks import FallbackWarning, first_line
 
 Flat = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -108,10 +108,9 @@ class CudaGraphCall:
 
     def _refused(self, err: Exception) -> None:
         self.failed = True
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
         warnings.warn(
             f"t2j_ad: the graph of {self.name!r} could not be captured as a CUDA graph "
-            f"({type(err).__name__}: {first_line}); it runs as a plain aten graph on XLA's stream instead.",
+            f"({first_line(err)}); it runs as a plain aten graph on XLA's stream instead.",
             FallbackWarning,
             stacklevel=4,
         )

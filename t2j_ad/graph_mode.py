@@ -79,7 +79,7 @@ from .output_buffers import (
 )
 from .random_state import SeedWatch, generators_in_use
 from .real_writes import one_trial_run, trial_run
-from .rules.fallbacks import provisional, warn_once
+from .rules.fallbacks import first_line, provisional, warn_once
 from .trace_check import FirstRunNotUndone, WrittenConstants, checked_first_run, compiled_disagreement
 from .tangent_zeros import fold_tangent_zeros, plain_tangent_zeros
 from .trace_refusals import (
@@ -377,8 +377,7 @@ def _replay_in_place(artifact: Artifact, graph: torch.fx.GraphModule, out_specs:
 
 
 def _reason(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    reason = f"{type(err).__name__}: {lines[0] if lines else ''}"
+    reason = first_line(err)
     if _raised_checking_a_distribution(err):
         reason += (
             " (in torch.distributions' checks of a distribution's arguments or sample, which read values: pass "

@@ -63,7 +63,7 @@ is when the second run fails; any other shape that depends on the values is
 refused by the first real call that returns another (the runner checks
 every output). Effects made only for values other than ones stay unseen,
 as those neither zeros nor ones reach do above. If ones fail too, the error
-on zeros is reported.
+names what each run raised.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ from .module_structure import ModuleChangedError
 from .random_state import RandomOpsSeen
 from .real_writes import trial_run
 from .replayed_calls import Effects
+from .rules.fallbacks import first_line
 from .runtime import InputMutationError, TorchCallError, mutation_message
 from .torch_fn import Aval
 
@@ -218,11 +219,10 @@ def infer_outputs(
         _refuse_unchecked_empty(name, where, outputs)
         return Inferred(outputs, where, effects, "on ones alone (it failed on zeros)")
     where, err = first
-    lines = str(on_ones).strip().splitlines()
     raise TorchCallError(
         f"the PyTorch function {name} raised {type(err).__name__}: {err}\n"
-        f"(while inferring output shapes on zeros on {where}; on ones it raised {type(on_ones).__name__}: "
-        f"{lines[0] if lines else ''}; pass output_shapes= to jaxify or jaxify_module to skip inference)"
+        f"(while inferring output shapes on zeros on {where}; on ones it raised {first_line(on_ones)}; pass "
+        f"output_shapes= to jaxify or jaxify_module to skip inference)"
     ) from err
 
 
@@ -233,16 +233,25 @@ _FIXED_SHAPES_ADVICE = (
 )
 
 
+def _first_empty(outputs: Any) -> tuple[int, torch.Tensor] | None:
+    """The first output with no elements, and its index; None if none."""
+    for i, leaf in enumerate(jax.tree_util.tree_leaves(outputs)):
+        if isinstance(leaf, torch.Tensor) and leaf.numel() == 0:
+            return i, leaf
+    return None
+
+
 def _refuse_unchecked_empty(name: str, where: torch.device, outputs: Any) -> None:
     """Raise for an empty output of a function inferred on ones alone
     (NOTE [inference on ones when zeros fail])."""
-    for i, leaf in enumerate(jax.tree_util.tree_leaves(outputs)):
-        if isinstance(leaf, torch.Tensor) and leaf.numel() == 0:
-            raise TorchCallError(
-                f"the PyTorch function {name} failed on zeros and returned an empty output {i} (shape "
-                f"{tuple(leaf.shape)}) on ones (inferring its output shapes on {where}), so t2j_ad cannot tell "
-                f"whether its output shapes depend on the input values. {_FIXED_SHAPES_ADVICE}."
-            )
+    empty = _first_empty(outputs)
+    if empty is not None:
+        i, leaf = empty
+        raise TorchCallError(
+            f"the PyTorch function {name} failed on zeros and returned an empty output {i} (shape "
+            f"{tuple(leaf.shape)}) on ones (inferring its output shapes on {where}), so t2j_ad cannot tell "
+            f"whether its output shapes depend on the input values. {_FIXED_SHAPES_ADVICE}."
+        )
 
 
 def _checked_on_ones(
@@ -258,8 +267,7 @@ def _checked_on_ones(
     """The effects of a function whose shapes the call on zeros gave, also
     as a call on ones sees them; raises for an output whose shape depends
     on the input's values (NOTE [a second run, on ones])."""
-    leaves = jax.tree_util.tree_leaves(outputs)
-    empty = any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in leaves)
+    empty = _first_empty(outputs) is not None
     try:
         on_ones, ones_effects = _run(fn, avals, where, name, torch.ones, modules, dicts)
     except _RAISED_AS_THEY_ARE:

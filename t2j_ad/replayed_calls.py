@@ -339,12 +339,12 @@ def _variant(
         torch_out_dtypes=torch_out_dtypes,
         mutation_checked=base.mutation_checked,
         inferred_on=base.inferred_on,
+        inferred_runs=base.inferred_runs,
         autograd_vjp=base.autograd_vjp,
         compile=base.compile,
     )
     variant.effects_root = base  # type: ignore[attr-defined]
     variant.referenced_modules = getattr(base, "referenced_modules", ())  # type: ignore[attr-defined]
-    variant.inferred_runs = getattr(base, "inferred_runs", None)  # type: ignore[attr-defined]
     variant.referenced_dicts = getattr(base, "referenced_dicts", ())  # type: ignore[attr-defined]
     variant.replays = replays  # type: ignore[attr-defined]
     variant.generator_key = key  # type: ignore[attr-defined]

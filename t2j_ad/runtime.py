@@ -566,8 +566,7 @@ class _Runner:
         elif where.type == "meta":
             own = "inferred on PyTorch's meta device"
         else:
-            runs = getattr(self.base, "inferred_runs", None) or "on zeros and on ones"
-            own = f"inferred by calls {runs} on {where}"
+            own = f"inferred by calls {self.base.inferred_runs} on {where}"
         if self.transforms:
             return (
                 f"JAX's rules give for {self.name} from the function's own output shapes ({own}). "

@@ -114,6 +114,7 @@ class BaseFn:
         torch_out_dtypes: tuple[Any, ...],
         mutation_checked: bool,
         inferred_on: Any = None,
+        inferred_runs: str | None = None,
         autograd_vjp: bool = False,
         direct: Callable[..., Any] | None = None,
         direct_single: bool = False,
@@ -149,6 +150,9 @@ class BaseFn:
         # the zeros, or None when output_shapes declared them (the runtime's
         # shape and dtype errors say which, and what to do).
         self.inferred_on = inferred_on
+        # The real calls that inferred them there ("on zeros and on ones", or
+        # "on ones alone ..."), where inferred_on is a real device.
+        self.inferred_runs = inferred_runs
         # Reverse mode by torch.autograd.grad from the start, never trying
         # torch.func.vjp (see NOTE [fallbacks] in rules/fallbacks.py).
         self.autograd_vjp = autograd_vjp

@@ -114,7 +114,7 @@ def _refuse_unseen_write(base: Any, err: BaseException) -> None:
     if _CAPTURED_WRITE not in str(err) or getattr(base, "replays", False):
         return
     raise RuntimeError(
-        f"{base.name} writes in place into a tensor it keeps between calls ({_first_line(err)}), but the run "
+        f"{base.name} writes in place into a tensor it keeps between calls ({first_line(err)}), but the run "
         f"that inferred its output shapes did not see that write: it depends on the input's values (those runs "
         f"are on zeros and on ones), the function was given output_shapes=, or it ran with other training flags when "
         f"jax.jit traced it. Its derivative would write the state a second time, and start from the state its "
@@ -197,7 +197,8 @@ def warn_once(base: Any, kind: Any, message: str) -> None:
     warnings.warn(message, FallbackWarning, stacklevel=3)
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """``err``'s type and the first line of its message."""
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"
 
@@ -283,7 +284,7 @@ def reverse_mode(
                 "vjp",
                 f"t2j_ad: reverse mode of {base.name!r} falls back to "
                 f"torch.autograd.grad because torch.func.vjp refused it "
-                f"({_first_line(err)}). Results are exact.{_advice(err, _FUNCTORCH_REFUSALS)}",
+                f"({first_line(err)}). Results are exact.{_advice(err, _FUNCTORCH_REFUSALS)}",
             )
     return autograd_vjp(fn, primals, cotangents)
 
@@ -414,7 +415,7 @@ def forward_mode(
                 "jvp",
                 f"t2j_ad: forward mode of {base.name!r} falls back to the "
                 f"double-vjp trick because torch.func.jvp refused it "
-                f"({_first_line(err)}). Results are exact; it costs two "
+                f"({first_line(err)}). Results are exact; it costs two "
                 f"reverse passes.{advice}",
             )
     if out_tangents is None:
@@ -465,7 +466,7 @@ def vmap_auto(
         warn_once(
             base,
             "vmap",
-            f"t2j_ad: torch.vmap refused {base.name!r} ({_first_line(vmap_err)}); "
+            f"t2j_ad: torch.vmap refused {base.name!r} ({first_line(vmap_err)}); "
             f"batching it with a sequential loop instead. Pass "
             f"vmap_method='sequential' to silence this, or make the function "
             f"vmap-compatible for speed.",
