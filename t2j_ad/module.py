@@ -93,6 +93,7 @@ from .api import JaxifiedFunction, check_batch_argnums
 from .convert import call_device, copy_to_jax, jax_dtype, torch_device, torch_dtype
 from .module_modes import refuse_uninitialized
 from .module_structure import ModuleChangedError
+from .real_writes import forwards_end_here
 
 
 def _warn_narrowed_params_beside_wide_buffers(module: torch.nn.Module, params: Mapping[str, Any]) -> None:
@@ -461,7 +462,7 @@ def jaxify_module(
             if slots_now.unbound:
                 raise _unbound_params_error(module, slots_now.unbound)
             try:
-                with _bound(slots.params, params), _bound(slots.buffers, copies):
+                with _bound(slots.params, params), _bound(slots.buffers, copies), forwards_end_here():
                     return module(*args, **kwargs)
             except Exception as err:
                 _note_recast_params(err, params, given_dtypes, module)

@@ -262,18 +262,57 @@ class ModuleAttributesKept:
                 return owner
         return None
 
+    def _end_open_forwards(self, depth: int) -> None:
+        """End each forward still open above the first ``depth``: those whose
+        end no hook saw (NOTE [forwards a KeyboardInterrupt ends])."""
+        while len(self._open) > depth:
+            self._put_back(self._open.pop()[1])
+
     @contextlib.contextmanager
     def watching(self) -> Iterator[ModuleAttributesKept]:
         hooks = torch.nn.modules.module
         starts = hooks.register_module_forward_pre_hook(self._starts)
         ends = hooks.register_module_forward_hook(self._ends, always_call=True)
+        outer, _watcher.kept = _watcher.kept, self
         try:
             yield self
         finally:
+            _watcher.kept = outer
             starts.remove()
             ends.remove()
-            while self._open:  # a forward whose end no hook saw
-                self._put_back(self._open.pop()[1])
+            self._end_open_forwards(0)
+
+
+# NOTE [forwards a KeyboardInterrupt ends]
+# PyTorch runs a forward hook registered with always_call=True when the
+# forward raises an Exception, not a BaseException: after a KeyboardInterrupt
+# (Ctrl-C in a notebook during a slow first call) no hook saw the end of the
+# forwards it cut short, so their frames were ended only when the trial run
+# ended. By then jaxify_module had put the module's own parameters back in
+# place of the trial's meta or fake ones, and ending the frames "put back"
+# the trial's tensors over them, as rebindings: the module kept meta tensors,
+# or fake ones that plain PyTorch then computed with silently. So whatever
+# binds tensors into a module around its call ends, inside its own binding,
+# the forwards that started there and did not end (``forwards_end_here``).
+class _Watcher(threading.local):
+    kept: ModuleAttributesKept | None = None  # the trial run watching this thread's forwards
+
+
+_watcher = _Watcher()
+
+
+@contextlib.contextmanager
+def forwards_end_here() -> Iterator[None]:
+    """Within the block, a module forward that starts in it and whose end no
+    hook saw (a KeyboardInterrupt) ends when the block exits, what it rebound
+    put back (NOTE [forwards a KeyboardInterrupt ends])."""
+    kept = _watcher.kept
+    depth = len(kept._open) if kept is not None else 0
+    try:
+        yield
+    finally:
+        if kept is not None:
+            kept._end_open_forwards(depth)
 
 
 class TrialRun:

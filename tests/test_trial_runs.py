@@ -395,3 +395,44 @@ def test_a_cache_in_a_plain_object_the_function_names_keeps_no_meta_tensor():
     x = jnp.array([1.0, 2.0, 3.0])
     np.testing.assert_allclose(t2j_ad.jaxify(f)(x), [0.5, 2.0, 4.5])
     assert all(t.device == TORCH_DEVICE for t in _HOLDER.cache.values())
+
+
+class _Interrupted(torch.nn.Module):
+    """Raises KeyboardInterrupt on its ``interrupt_at``-th forward."""
+
+    def __init__(self, interrupt_at):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+        self.interrupt_at, self.runs = interrupt_at, 0
+
+    def forward(self, x):
+        self.runs += 1
+        if self.runs == self.interrupt_at:
+            raise KeyboardInterrupt
+        return self.net(x)
+
+
+@pytest.mark.parametrize(("mode", "interrupt_at"), [("eager", 1), ("graph", 1), ("graph", 2)])
+def test_a_keyboard_interrupt_in_a_trial_run_leaves_the_module_its_tensors(mode, interrupt_at):
+    # PyTorch runs always_call forward hooks on an Exception only: after a
+    # KeyboardInterrupt in inference (run 1) or graph mode's trace (run 2) the
+    # module kept the trial's meta or fake tensors in place of its own
+    # (NOTE [forwards a KeyboardInterrupt ends]).
+    torch.manual_seed(0)
+    module = _Interrupted(interrupt_at).to(TORCH_DEVICE)
+    own = {name: (t, t.detach().clone()) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+    twin = copy.deepcopy(module.net)
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        for _ in range(interrupt_at):
+            try:
+                apply(params, x)
+            except (KeyboardInterrupt, jax.errors.JaxRuntimeError):  # the trace runs inside XLA's call
+                break
+        now = dict([*module.named_parameters(), *module.named_buffers()])
+        assert all(now[name] is t and torch.equal(t, value) for name, (t, value) in own.items())
+        out = apply(params, x)
+    assert_tree_allclose(out, to_numpy(twin(to_torch(x))), rtol=1e-5, atol=1e-6)
+    assert_tree_allclose(to_numpy(module.net[1].running_mean), to_numpy(twin[1].running_mean), rtol=1e-5, atol=1e-6)
