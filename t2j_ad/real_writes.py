@@ -179,7 +179,32 @@ def _attribute_tables(module: torch.nn.Module) -> tuple[dict[str, Any], ...]:
     return (module._parameters, module._buffers, module.__dict__)
 
 
-_Noted = dict[int, tuple[torch.nn.Module, tuple[dict[str, Any], ...]]]  # id -> (module, copies of its tables)
+# id -> (module, copies of its tables, what each tensor bound in them holds:
+# its name, the tensor, an alias of its elements, and where they are).
+_Noted = dict[int, tuple[torch.nn.Module, tuple[dict[str, Any], ...], list[tuple[str, torch.Tensor, torch.Tensor, Any]]]]
+
+
+def _elements_of(value: Any) -> tuple[torch.Tensor, Any] | None:
+    """An alias of a dense tensor's elements (``.data``) and where they are;
+    None for anything else (NOTE [elements swapped through .data])."""
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        return None
+    with _disable_current_modes():  # a trace's fake mode would make the alias fake
+        alias = value.data
+    at = memory_of(alias)
+    return None if at is None else (alias, at)
+
+
+# NOTE [elements swapped through .data]
+# ``self.scale.data = 1 / x.std(0)`` (Glow's ActNorm and nflows' data-dependent
+# initialization) keeps the tensor bound to the module and swaps the elements
+# under it, without an op the dispatch mode sees and without rebinding the
+# name. The run on zeros swapped in 1 / 0 and set ``initialized``, so the
+# real first call skipped the initialization and returned inf, and the module
+# stayed broken in plain PyTorch too. So each tensor noted with its module
+# keeps an alias of its elements, which ``.data =`` puts back where it was
+# swapped; the swap counts as a rebinding (``Class.name.data``), which a graph
+# cannot replay either.
 
 
 class ModuleAttributesKept:
@@ -217,7 +242,13 @@ class ModuleAttributesKept:
                     if self._caches is not None:
                         self._caches.note_attributes(sub)
                     tables = tuple(dict(table) for table in _attribute_tables(sub))
-                    noted[id(sub)] = (sub, tables)
+                    elements = []
+                    for table in tables[:2]:  # parameters and buffers
+                        for name, value in table.items():
+                            held = _elements_of(value)
+                            if held is not None:
+                                elements.append((name, value, *held))
+                    noted[id(sub)] = (sub, tables, elements)
                     for table in tables:
                         for name, value in table.items():
                             if isinstance(value, torch.Tensor):
@@ -236,8 +267,13 @@ class ModuleAttributesKept:
                 return
 
     def _put_back(self, noted: _Noted) -> None:
-        for module, before in noted.values():
+        for module, before, elements in noted.values():
             self._noted.discard(id(module))
+            for name, tensor, alias, at in elements:
+                held = _elements_of(tensor)
+                if held is not None and held[1] != at:
+                    tensor.data = alias  # NOTE [elements swapped through .data]
+                    self.rebound.append(f"{type(module).__name__}.{name}.data")
             for table, saved in zip(_attribute_tables(module), before):
                 for name, old, new in changed_entries(table, saved):
                     if not (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):

@@ -436,3 +436,72 @@ def test_a_keyboard_interrupt_in_a_trial_run_leaves_the_module_its_tensors(mode,
         out = apply(params, x)
     assert_tree_allclose(out, to_numpy(twin(to_torch(x))), rtol=1e-5, atol=1e-6)
     assert_tree_allclose(to_numpy(module.net[1].running_mean), to_numpy(twin[1].running_mean), rtol=1e-5, atol=1e-6)
+
+
+class _InitializedByData(torch.nn.Module):
+    """Initializes its scale from the first batch, as Glow's ActNorm does:
+    through ``.data``, which swaps the elements without an op."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("initialized", torch.tensor(False))
+        self.scale = torch.nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        if not self.initialized:
+            with torch.no_grad():
+                self.scale.data = 1 / x.std(0)
+                self.initialized.data = torch.tensor(True, device=x.device)
+        return (x * self.scale).sum(0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("wrap", ["jaxify", "jaxify_module"])
+def test_elements_swapped_through_data_in_a_trial_run_are_put_back(mode, wrap):
+    # The run on zeros set scale.data = 1 / 0 and the flag, so the real first
+    # call skipped the initialization (NOTE [elements swapped through .data]).
+    module = _InitializedByData().to(TORCH_DEVICE)
+    twin = copy.deepcopy(module)
+    if wrap == "jaxify":
+        f = t2j_ad.jaxify(lambda x: module(x), compile=mode)
+    else:
+        apply, params = t2j_ad.jaxify_module(module, compile=mode)
+        f = lambda x: apply(params, x)  # noqa: E731
+    batches = [np.array([[1.0, 2.0], [3.0, 5.0], [2.0, 0.0]], np.float32), np.ones((3, 2), np.float32)]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", FallbackWarning)
+        for batch in batches:
+            expected = twin(to_torch(batch)) if wrap == "jaxify" else torch.func.functional_call(
+                twin, {"scale": to_torch(np.asarray(params["scale"]))}, (to_torch(batch),)
+            )
+            assert_tree_allclose(f(jnp.asarray(batch)), to_numpy(expected), rtol=1e-6, atol=1e-6)
+    assert bool(module.initialized) and bool(twin.initialized)
+    if wrap == "jaxify":
+        assert_tree_allclose(to_numpy(module.scale), to_numpy(twin.scale), rtol=1e-6, atol=1e-6)
+    if mode == "graph":  # the trace reads the flag's value: eager
+        assert any(issubclass(w.category, FallbackWarning) for w in seen)
+
+
+class _AveragesThroughData(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.full((3,), 8.0))
+
+    def forward(self, x):
+        self.ema.data = 0.5 * self.ema + 0.5 * x.detach()
+        return x * self.ema
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_running_average_swapped_in_through_data_is_updated_once_per_call(mode):
+    module = _AveragesThroughData().to(TORCH_DEVICE)
+    twin = copy.deepcopy(module)
+    f = t2j_ad.jaxify(lambda x: module(x), compile=mode)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", FallbackWarning)
+        for i in range(3):
+            x = np.full((3,), float(i), np.float32)
+            assert_tree_allclose(f(jnp.asarray(x)), to_numpy(twin(to_torch(x))), rtol=1e-6)
+    assert_tree_allclose(to_numpy(module.ema), to_numpy(twin.ema), rtol=1e-6)
+    if mode == "graph":  # a graph cannot replay the swap (NOTE [elements swapped through .data])
+        assert any(issubclass(w.category, FallbackWarning) for w in seen)
