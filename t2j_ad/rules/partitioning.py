@@ -65,7 +65,11 @@ per device, and the one sharding XLA takes, MAXIMAL on one device
 (``jax.pure_callback``'s), Shardy keeps only for JAX's own callback targets
 (it compiled with GSPMD, which JAX is retiring). So such a call without a
 mapped axis is refused at lowering, naming the ways that work: one device,
-or ``shard_map`` / ``pmap``, where each device runs its own shard.
+or ``shard_map`` / ``pmap``, where each device runs its own shard. One with
+a mapped axis that the partitioner finds unsplit (the batch replicated,
+sharded along another dimension, or not dividing evenly) would run whole on
+every device, four different masks behind one "replicated" result, the
+state updated once per device: the partition callback refuses it too.
 """
 
 from __future__ import annotations
@@ -185,6 +189,8 @@ def _lower_partitioned(ctx: Any, args: Sequence[Any], fun: TorchFn, bm: BatchMap
 
     def partition(mesh: Any, arg_shapes: Sequence[Any], result_shape: Any):
         axes = _batch_axes(bm, mesh, arg_shapes)
+        if not axes and has_side_effects(fun):  # NOTE [a call with effects on a mesh]
+            raise NotImplementedError(_effects_on_a_mesh(fun, math.prod(mesh.shape.values()), mapped=True))
         n = math.prod(mesh.shape[a] for a in axes)
         local = local_fun(fun, bm.size // n) if axes else fun
         keep.register(local)  # alive as long as the executable (see NOTE)
@@ -230,11 +236,17 @@ def partitionable(lowering: Callable[..., Sequence[Any]]) -> Callable[..., Seque
     return torch_call_partitioned_lowering
 
 
-def _effects_on_a_mesh(fun: TorchFn, devices: int) -> str:
+def _effects_on_a_mesh(fun: TorchFn, devices: int, mapped: bool = False) -> str:
+    where = (
+        "its batch is not split over the devices (replicated, sharded along another dimension, or not "
+        "dividing evenly), so every device would run it on the whole batch, each drawing and updating for "
+        "itself. Shard the batch over the mesh along the mapped axis, run it"
+        if mapped
+        else "XLA cannot run a call with effects once (XLA's SPMD partitioner refuses it). Run it"
+    )
     return (
         f"t2j_ad: {fun.name} draws random numbers or updates state it keeps (dropout, a module in training "
-        f"mode), and this jax.jit splits its program over {devices} devices, where XLA cannot run a call with "
-        f"effects once (XLA's SPMD partitioner refuses it). Run it on one device (jax.device_put its inputs "
-        f"to jax.devices()[0]), or per shard, each device drawing and updating for its own: inside "
-        f"jax.shard_map over the mesh, or jax.pmap."
+        f"mode), and this jax.jit splits its program over {devices} devices, where {where} on one device "
+        f"(jax.device_put its inputs to jax.devices()[0]), or per shard, each device drawing and updating for "
+        f"its own: inside jax.shard_map over the mesh, or jax.pmap."
     )

@@ -459,3 +459,23 @@ def test_a_call_with_effects_under_a_sharded_jit_is_refused_naming_shard_map(mes
     expected = ((shards - mean) / np.sqrt(var + bn.eps)).reshape(8, 3)
     np.testing.assert_allclose(np.asarray(per_shard), expected, rtol=1e-4, atol=1e-5)
     assert int(bn.num_batches_tracked) == 4  # one update per device's call, as 4 PyTorch calls make
+
+
+def test_a_mapped_call_with_effects_whose_batch_is_not_split_is_refused(mesh):
+    """A vmapped dropout or a declared training-mode module whose batch is
+    replicated over the mesh ran once per device on the whole batch: four
+    different masks behind one "replicated" result, value and gradient from
+    different masks, and state updated four times."""
+    drop = t2j_ad.jaxify(lambda x: torch.nn.functional.dropout(x, 0.5, training=True), vmap_method="sequential")
+    apply, params = t2j_ad.jaxify_module(torch.nn.BatchNorm1d(3).train(), batch_argnums=0)
+    x = np.ones((16, 3), np.float32)
+    for spec in (P(), P(None, "b")):
+        xs = jax.device_put(np.ones((16, 4), np.float32), NamedSharding(mesh, spec))
+        with pytest.raises(Exception, match=r"draws random numbers .* over 4 devices.*not split.*jax.shard_map"):
+            jax.jit(jax.value_and_grad(lambda x: jax.vmap(drop)(x).sum()))(xs)
+    with pytest.raises(Exception, match=r"BatchNorm1d.forward draws random numbers .*not split"):
+        jax.jit(apply)(params, jax.device_put(x, NamedSharding(mesh, P())))
+    # Split along the mapped axis, each device draws for its own rows: one mask per row.
+    xs = jax.device_put(np.ones((16, 4), np.float32), NamedSharding(mesh, P("b")))
+    value, grad = jax.jit(jax.value_and_grad(lambda x: jax.vmap(drop)(x).sum()))(xs)
+    assert float(value) == pytest.approx(float(grad.sum()))  # y = 2 m x, dy/dx = 2 m
