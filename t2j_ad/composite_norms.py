@@ -49,8 +49,9 @@ def _normalized(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x - mean) * rsqrt(var + eps) over ``dims``, in float32 for half
     inputs, with the mean and rsqrt(var + eps) (``dims`` kept, in ``x``'s
-    dtype, as PyTorch's kernels return them); ``weight`` and ``bias``
-    already broadcast."""
+    dtype, as PyTorch's kernels return them, and like theirs without a
+    derivative: at order 1 they have none, so none at order 2 either);
+    ``weight`` and ``bias`` already broadcast."""
     acc = x.float() if x.dtype in _HALF else x
     mean = acc.mean(dims, keepdim=True)
     centered = acc - mean
@@ -60,7 +61,7 @@ def _normalized(
         out = out * weight
     if bias is not None:
         out = out + bias
-    return out.to(x.dtype), mean.to(x.dtype), rstd.to(x.dtype)
+    return out.to(x.dtype), mean.detach().to(x.dtype), rstd.detach().to(x.dtype)
 
 
 def _native_layer_norm(

@@ -184,3 +184,24 @@ def test_a_torchscript_module_that_normalizes_is_refused_at_second_order(x64):
     assert_tree_allclose(
         jax.hessian(lambda p: jnp.sum(apply(p, x) ** 3))(params), jax.hessian(reference)(params), rtol=1e-9, atol=1e-10
     )
+
+
+STATISTICS = {
+    "native_layer_norm mean": lambda x: torch.native_layer_norm(x, (4, 5), None, None, EPS)[1],
+    "native_layer_norm rstd": lambda x: torch.native_layer_norm(x, (4, 5), None, None, EPS)[2],
+    "native_batch_norm save_invstd": lambda x: torch.native_batch_norm(x, None, None, None, None, True, 0.1, EPS)[2],
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("output", sorted(STATISTICS))
+def test_the_statistics_outputs_have_no_derivative_at_any_order(output, mode, x64):
+    # PyTorch's kernels give mean and rstd no derivative, so the gradient is
+    # 0; the plain ops gave them one at order 2, a Hessian of 2.2 for a zero
+    # gradient (torch.func.hessian: 0).
+    f = t2j_ad.jaxify(lambda x: (STATISTICS[output](x) ** 2).sum(), compile=mode)
+    x = _arguments((4,))[0]
+    expected = torch.func.hessian(lambda x: (STATISTICS[output](x) ** 2).sum())(to_torch(x))
+    assert_tree_allclose(jax.grad(f)(x), np.zeros(x.shape), atol=0)
+    assert_tree_allclose(jax.hessian(f)(x), to_numpy(expected), atol=0)
+    assert not np.any(np.asarray(jax.hessian(f)(x)))
