@@ -62,13 +62,17 @@ class InputMutationError(TorchCallError):
 
 # NOTE [calls inside torch.inference_mode]
 # A call made on a thread inside ``torch.inference_mode()`` (an eager or
-# jitted call on the CPU runs on the caller's thread) gets inference tensors,
-# which keep no version counter: the check below for a write into an input
-# failed with PyTorch's "Inference tensors do not track version counter".
-# Such a call cannot show that the function leaves its inputs alone, so
-# until a call outside inference mode has, every call gets copies of its
-# inputs (a write changes only those); after, it gets XLA's buffers, as any
-# call. The runs that infer output shapes leave inference mode.
+# jitted call on the CPU runs on the caller's thread) got inference tensors,
+# which keep no version counter (the check below for a write into an input
+# failed with PyTorch's "Inference tensors do not track version counter"),
+# and ran in inference mode, where every tensor the function makes is one:
+# torch.autograd.grad inside it failed ("does not require grad"), on the
+# caller's thread only. The caller's inference mode is no part of the
+# function (as its autocast region is not: NOTE [calls run without the
+# caller's autocast]), so such a call runs outside it, on copies of its
+# inputs, into buffers of its own copied into XLA's (inference tensors,
+# written only inside inference mode). The runs that infer output shapes
+# leave inference mode too.
 
 # NOTE [torch threads]
 # XLA calls us from the thread that runs the program (one of its own on a
@@ -175,6 +179,7 @@ _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 _no_autocast = torch._C._DisableAutocast
+_in_inference_mode = torch.is_inference_mode_enabled
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -319,6 +324,9 @@ class _Runner:
             # NOTE [calls run without the caller's autocast]
             with _no_autocast():
                 self(inputs, outputs, stream)
+            return
+        if _in_inference_mode():
+            self._outside_inference_mode(inputs, outputs, stream)
             return
         if stream:
             self._on_stream(inputs, outputs, stream)
@@ -589,6 +597,20 @@ class _Runner:
             f"{own}; output shapes and dtypes must depend on the input shapes and dtypes alone, which is all "
             f"JAX knows when it traces" + (f".{hint.rstrip('.')}" if hint else "")
         )
+
+    def _outside_inference_mode(
+        self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int
+    ) -> None:
+        """The call, made on a thread inside ``torch.inference_mode`` (NOTE
+        [calls inside torch.inference_mode]), run outside it on copies."""
+        with torch.inference_mode(False):
+            # stack-and-select, not clone: a clone of an inference tensor
+            # starts at version 1, which reads as a write into the input.
+            fresh = [torch.stack([t])[0] for t in inputs]
+            buffers = [torch.empty_like(o) for o in outputs]
+            self(fresh, buffers, stream)
+        for out, buffer in zip(outputs, buffers):
+            out.copy_(buffer)  # XLA's buffers are inference tensors: written inside inference mode
 
     def _refuse_mutation(self, inputs: Sequence[torch.Tensor]) -> None:
         mutated = [i for i, t in enumerate(inputs) if t._version]

@@ -698,3 +698,25 @@ def test_a_call_as_the_computation_of_a_reduction_is_refused_not_an_abort(reduct
     # the same function in a scan is fine, and agrees with jnp
     total, _ = jax.lax.scan(lambda c, row: (add(c, row), None), jnp.zeros(4), x)
     np.testing.assert_allclose(total, x.sum(0))
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_call_made_inside_the_callers_inference_mode_runs_outside_it(mode):
+    # Tensors made under the caller's torch.inference_mode are inference
+    # tensors: torch.autograd.grad inside the function failed ("element 0 of
+    # tensors does not require grad"), on the caller's thread only.
+    def cubed_grad(x):
+        inner = x.detach().requires_grad_(True)
+        (g,) = torch.autograd.grad((inner**3).sum(), inner)
+        return torch.sin(x) + g
+
+    f = t2j_ad.jaxify(cubed_grad, compile=mode)
+    x = jnp.array([0.3, -1.2, 2.0])
+    expected = np.sin(np.asarray(x)) + 3 * np.asarray(x) ** 2
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", t2j_ad.FallbackWarning)  # requires_grad_: torch.autograd.grad
+        results = [f(x), jax.jit(f)(x), jax.grad(lambda x: f(x).sum())(x)]
+    np.testing.assert_allclose(results[0], expected, rtol=1e-6)
+    np.testing.assert_allclose(results[1], expected, rtol=1e-6)
+    np.testing.assert_allclose(results[2], jnp.cos(x), rtol=1e-6)  # g is of x.detach(): no derivative
+    assert torch.is_inference_mode_enabled() is False
