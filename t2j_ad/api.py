@@ -139,6 +139,27 @@ def _input_names(in_tree: Any, n: int) -> tuple[str, ...]:
     )
 
 
+def _checked_output_shapes(output_shapes: Any) -> Any:
+    """``output_shapes``, refused at once where it declares no output or a
+    leaf that is no shape and dtype."""
+    if output_shapes is None:
+        return None
+    with_paths = jax.tree_util.tree_flatten_with_path(output_shapes)[0]
+    if not with_paths:
+        raise ValueError(
+            f"jaxify: output_shapes is {output_shapes!r}, which declares no output: JAX drops a call with "
+            f"no outputs, so the function would never run. Declare what it returns, or leave output_shapes "
+            f"out (a function that returns nothing and updates state is found to, and runs on every call)."
+        )
+    for path, leaf in with_paths:
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise TypeError(
+                f"jaxify: output_shapes{jax.tree_util.keystr(path)} is a "
+                f"{type(leaf).__name__}; expected jax.ShapeDtypeStruct (or anything with .shape and .dtype)."
+            )
+    return output_shapes
+
+
 class JaxifiedFunction:
     """A PyTorch function callable from JAX under every transform.
 
@@ -176,7 +197,7 @@ class JaxifiedFunction:
         self.torch_fn = torch_fn
         self.vmap_method = vmap_method
         self.compile = resolve_compile_mode(compile, "jaxify")
-        self.output_shapes = output_shapes
+        self.output_shapes = _checked_output_shapes(output_shapes)
         self.autograd_vjp = autograd_vjp
         self.name = getattr(torch_fn, "__qualname__", None) or getattr(torch_fn, "__name__", None) or repr(torch_fn)
         try:
@@ -277,11 +298,6 @@ class JaxifiedFunction:
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(self.output_shapes)
             declared = []
             for path, leaf in with_paths:
-                if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
-                    raise TypeError(
-                        f"jaxify: output_shapes{jax.tree_util.keystr(path)} is a "
-                        f"{type(leaf).__name__}; expected jax.ShapeDtypeStruct (or anything with .shape and .dtype)."
-                    )
                 where = f"output_shapes{jax.tree_util.keystr(path)}"
                 shape = tuple(leaf.shape)
                 if not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):

@@ -389,6 +389,13 @@ class _Runner:
                         or results.dtype is not self.dtypes[0]
                         or (self.other_devices and results.get_device() != out.get_device())
                     ):
+                        if isinstance(results, (tuple, list)) and len(results) == 1:
+                            raise TorchCallError(
+                                f"{self.name} returned a {type(results).__name__} of 1; expected one tensor, not "
+                                f"in a {type(results).__name__}, as declared by output_shapes or found by "
+                                f"inference: return the tensor itself, or declare output_shapes as a "
+                                f"{type(results).__name__} of one."
+                            )
                         # Raises (a tuple: naming the count), unless a tensor subclass.
                         self._check_outputs(results if isinstance(results, tuple) else (results,), outputs)
                     out.copy_(results)

@@ -381,3 +381,22 @@ def test_bad_environment_variable_is_a_value_error_naming_it(var, bad, good):
     )
     assert done.returncode == 0, done.stderr
     assert f"refused: {var} must be" in done.stdout and "good call ok" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("declared", [(), [], {}, (None,)])
+def test_output_shapes_that_declare_no_output_are_refused_at_once(declared):
+    # JAX drops a call with no outputs: the function never ran, and the
+    # declared empty tree came back whatever it returned.
+    with pytest.raises(ValueError, match=r"output_shapes is .* declares no output.*leave output_shapes out"):
+        t2j_ad.jaxify(lambda x: x * 2, output_shapes=declared)
+
+
+def test_output_shapes_with_a_leaf_that_is_no_shape_is_refused_at_once():
+    with pytest.raises(TypeError, match=r"output_shapes\[1\] is a int; expected jax.ShapeDtypeStruct"):
+        t2j_ad.jaxify(lambda x: (x, x), output_shapes=(jax.ShapeDtypeStruct((3,), jnp.float32), 3))
+
+
+def test_a_one_tuple_returned_where_one_array_is_declared_names_the_structure():
+    f = t2j_ad.jaxify(lambda x: (x * 2,), output_shapes=jax.ShapeDtypeStruct((3,), jnp.float32))
+    with pytest.raises(Exception, match=r"returned a tuple of 1; expected one tensor, not in a tuple"):
+        jax.block_until_ready(f(jnp.ones(3)))
