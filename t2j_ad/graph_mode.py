@@ -178,17 +178,27 @@ def _fake_tensor_log_quiet() -> Iterator[None]:
         _FAKE_TENSOR_LOG.setLevel(level)
 
 
+def _referenced(base: Any) -> tuple[Sequence[dict[Any, Any]], Sequence[torch.nn.Module]]:
+    """The dicts and modules ``base``'s function refers to (api sets them)."""
+    return getattr(base, "referenced_dicts", ()), getattr(base, "referenced_modules", ())
+
+
 def trace(
-    fn: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool, dicts: Sequence[dict[Any, Any]] = ()
+    fn: Flat,
+    inputs: Sequence[torch.Tensor],
+    grad_enabled: bool,
+    dicts: Sequence[dict[Any, Any]] = (),
+    modules: Sequence[torch.nn.Module] = (),
 ) -> torch.fx.GraphModule:
     """``fn`` traced on fake versions of ``inputs`` into an aten graph;
     ``dicts``: those the function can reach, which keep no fake tensor
-    (NOTE [trial runs leave caches as they found them])."""
+    (NOTE [trial runs leave caches as they found them]); ``modules``: those
+    it refers to (NOTE [trial runs wait for module calls])."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def run() -> torch.fx.GraphModule:
         # NOTE [trial runs do not write to real tensors]
-        with torch.autograd.set_grad_enabled(grad_enabled), trial_run(dicts) as attributes:
+        with torch.autograd.set_grad_enabled(grad_enabled), trial_run(dicts, modules) as attributes:
             # _allow_non_fake_inputs: tensors the function closes over (module
             # buffers) become graph constants, held by reference; their values
             # stay out of Python (NOTE [values a graph would keep]). NOTE
@@ -279,10 +289,10 @@ def _build_artifact(
     try:
         decided = dict(base.__dict__.get("fallbacks", {}))
         with provisional(base):
-            graph = trace(impl, inputs, grad_enabled, getattr(base, "referenced_dicts", ()))
+            graph = trace(impl, inputs, grad_enabled, *_referenced(base))
         if base.__dict__.get("fallbacks", {}) != decided:  # NOTE [graph mode]: without the failed attempt
             with provisional(base):
-                graph = trace(impl, inputs, grad_enabled, getattr(base, "referenced_dicts", ()))
+                graph = trace(impl, inputs, grad_enabled, *_referenced(base))
     except Exception as err:  # noqa: BLE001 - any failure: run eagerly (NOTE [graph mode])
         return Artifact(None, _reason(err)), None
     traced = time.perf_counter()

@@ -130,7 +130,7 @@ def _run(
         # Grad mode on and autocast off, as the call it infers for runs (NOTE
         # [calls run with grad mode on], NOTE [calls run without the caller's
         # autocast] in runtime.py).
-        with torch.enable_grad(), torch._C._DisableAutocast(), recording_module_modes(modules) as modes, trial_run(dicts) as run, RandomOpsSeen() as random_ops:
+        with torch.enable_grad(), torch._C._DisableAutocast(), recording_module_modes(modules) as modes, trial_run(dicts, modules) as run, RandomOpsSeen() as random_ops:
             with LayoutDependentDraws() as layouts, seen_autocast:
                 outputs = fn(*inputs)
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]

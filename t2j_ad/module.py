@@ -43,7 +43,7 @@ sharded jit, and any user threads): two calls inside the module together
 would each run on the other's parameters, and each one's gradient with
 respect to its own parameters would silently come out zero. So the swap and
 the forward it wraps hold one lock per module object, shared by every
-``jaxify_module`` of it (``_lock_of``: two wrappers of one module, called
+``jaxify_module`` of it (``module_locks.lock_of``: two wrappers of one module, called
 from two threads, ran each other's parameters and left a plain tensor where
 the module's Parameter was), and also the lock of every submodule it binds
 tensors into: two modules that share one (an actor and a critic on one
@@ -55,8 +55,10 @@ each other; a module whose submodules change between calls takes the
 locks it has then (``_holding_locks``). The backward, which runs on the
 recorded graph after the call, holds none. Graph mode traces the forward once (under the
 same lock) and never swaps again. A function that closes over the module
-(``jaxify(lambda x: model(x))``) takes no lock: on another thread while a
-``jaxify_module`` call has swapped, it runs on that call's parameters.
+(``jaxify(lambda x: model(x))``) takes no lock in its calls: on another
+thread while a ``jaxify_module`` call has swapped, it runs on that call's
+parameters. Its trial runs take the locks (NOTE [trial runs wait for module
+calls] in real_writes.py).
 
 NOTE [PyTorch's inference fast path]
 ``nn.MultiheadAttention`` and the ``nn.Transformer*`` layers take a fused
@@ -82,7 +84,6 @@ import contextlib
 import operator
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -93,6 +94,7 @@ from .api import JaxifiedFunction, check_batch_argnums
 from .convert import call_device, copy_to_jax, jax_dtype, torch_device, torch_dtype
 from .module_modes import refuse_uninitialized
 from .module_structure import ModuleChangedError
+from .module_locks import in_lock_order, release
 from .real_writes import forwards_end_here
 
 
@@ -141,20 +143,6 @@ class _BuffersByDevice:
             if device.type != "meta" and all(type(b) is torch.Tensor for b in moved.values()):
                 self.copies[device] = (versions, moved)
             return moved
-
-
-_module_locks: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
-_module_locks_lock = threading.Lock()
-
-
-def _lock_of(module: torch.nn.Module) -> threading.RLock:
-    """The lock every ``jaxify_module`` of ``module`` holds around a call
-    (NOTE [one module, many threads])."""
-    with _module_locks_lock:
-        lock = _module_locks.get(module)
-        if lock is None:
-            lock = _module_locks[module] = threading.RLock()
-        return lock
 
 
 class _TensorSlots:
@@ -232,7 +220,7 @@ class _SlotsNow:
         # NOTE [one module, many threads]: the module's own lock and those of
         # the submodules it binds tensors into, in one global order.
         holding = [self._module] + [m for m in self.slots.modules if m._parameters or m._buffers]
-        self.locks = tuple(sorted({id(lock): lock for lock in map(_lock_of, holding)}.values(), key=id))
+        self.locks = in_lock_order(holding)
         # The params keys no parameter of the module answers to any more (a
         # parameter renamed after jaxify_module, as prune and parametrize
         # do): their arrays would be bound nowhere, silently.
@@ -257,20 +245,15 @@ def _holding_locks(slots_now: _SlotsNow) -> Iterator[_TensorSlots]:
         try:
             slots = slots_now.now()  # rewalked under the module's own lock, if it changed
         except BaseException:
-            _release(locks)
+            release(locks)
             raise
         if slots_now.locks == locks:
             break
-        _release(locks)  # a submodule came or went: take the locks it has now
+        release(locks)  # a submodule came or went: take the locks it has now
     try:
         yield slots
     finally:
-        _release(locks)
-
-
-def _release(locks: Sequence[threading.RLock]) -> None:
-    for lock in reversed(locks):
-        lock.release()
+        release(locks)
 
 
 def _unbound_params_error(module: torch.nn.Module, unbound: Sequence[str]) -> ModuleChangedError:

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # private: see the NOTE
 
+from .module_locks import in_lock_order, release
 from .random_state import random_state_kept
 from .state_writes import StateWrites, bound_by_a_replay, memory_of
 from .trial_caches import CachesKept, changed_entries, parametrize_cache, put_back
@@ -213,10 +214,13 @@ class ModuleAttributesKept:
     a module under it, is unbound again when that ``forward`` ends, the old
     value put back; ``rebound`` names each as ``Class.name``."""
 
-    def __init__(self, caches: CachesKept | None = None) -> None:
+    def __init__(self, caches: CachesKept | None = None, found: dict[tuple[int, int, str], Any] | None = None) -> None:
         # Where the dicts of each module noted are noted too (NOTE [trial
         # runs leave caches as they found them] in trial_caches.py).
         self._caches = caches
+        # (id(module), table, name) -> the tensor bound there when the trial
+        # run began (NOTE [trial runs wait for module calls]).
+        self._found = found or {}
         self.rebound: list[str] = []
         # Each rebinding as (module, name, the tensor bound before): state
         # the function keeps (NOTE [derivatives do not write again]).
@@ -274,10 +278,12 @@ class ModuleAttributesKept:
                 if held is not None and held[1] != at:
                     tensor.data = alias  # NOTE [elements swapped through .data]
                     self.rebound.append(f"{type(module).__name__}.{name}.data")
-            for table, saved in zip(_attribute_tables(module), before):
+            for k, (table, saved) in enumerate(zip(_attribute_tables(module), before)):
                 for name, old, new in changed_entries(table, saved):
                     if not (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):
                         continue
+                    if new is not None and self._found.get((id(module), k, name)) is new:
+                        continue  # as the run found it: put back by whatever bound around the forward
                     if bound_by_a_replay(module, name):
                         continue  # the replay binds it back itself (NOTE [derivatives do not write again])
                     put_back(table, name, old)
@@ -426,8 +432,34 @@ def one_trial_run() -> threading.RLock:
     return _one_trial_run
 
 
+# NOTE [trial runs wait for module calls]
+# A function that closes over a module (``jaxify(lambda x: model(x))``) ran
+# its trial runs while a ``jaxify_module`` call of the same module on another
+# thread (or on XLA's, a pmap's calls dispatched just before) had bound that
+# call's tensors into it: its forward noted them, the other call put the
+# module's own back, and the end of the forward "put back" the other call's,
+# views of XLA buffers freed soon after, for good. So a trial run holds the
+# locks every ``jaxify_module`` call of the modules the function refers to
+# holds (and of their submodules that hold tensors), taken after the
+# trial-run lock as a call that updates state takes them; and an entry that
+# holds, when a forward ends, the tensor the run found there is left alone
+# (an outer binding that a KeyboardInterrupt unwound, such as the user's own
+# ``torch.func.functional_call``, put it back: NOTE [forwards a
+# KeyboardInterrupt ends]).
+def _found_in(modules: Iterable[torch.nn.Module]) -> dict[tuple[int, int, str], Any]:
+    found: dict[tuple[int, int, str], Any] = {}
+    for module in modules:
+        if isinstance(module, torch.jit.ScriptModule):
+            continue
+        for k, table in enumerate(_attribute_tables(module)):
+            for name, value in table.items():
+                if isinstance(value, torch.Tensor):
+                    found[(id(module), k, name)] = value
+    return found
+
+
 @contextlib.contextmanager
-def trial_run(dicts: Iterable[Any] = ()) -> Iterator[TrialRun]:
+def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()) -> Iterator[TrialRun]:
     """A run of the user's function made only to learn something: the real
     tensors it closes over, the attributes of the modules it runs, the
     tensors in ``dicts`` and in those modules' dicts (its caches), and
@@ -437,12 +469,17 @@ def trial_run(dicts: Iterable[Any] = ()) -> Iterator[TrialRun]:
     the attributes it rebound and the state it wrote. One at a time in the
     process (NOTE [one trial run at a time])."""
     with _one_trial_run, _in_trial_run():
+        under = list(dict.fromkeys(sub for module in modules for sub in module.modules()))
+        locks = in_lock_order(m for m in under if m._parameters or m._buffers)
+        for lock in locks:
+            lock.acquire()
         caches = CachesKept()
-        caches.note([*dicts, parametrize_cache()])
         try:
-            with ModuleAttributesKept(caches).watching() as attributes:
+            caches.note([*dicts, parametrize_cache()])
+            with ModuleAttributesKept(caches, _found_in(under)).watching() as attributes:
                 writes = RealWritesUndone(attributes.owner_of)
                 with writes, random_state_kept():
                     yield TrialRun(attributes, writes)
         finally:
             caches.take_back()
+            release(locks)

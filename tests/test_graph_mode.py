@@ -40,9 +40,9 @@ def traces(monkeypatch):
     seen: list[str] = []
     original = graph_mode.trace
 
-    def counting(fn, inputs, grad_enabled, dicts=()):
+    def counting(fn, inputs, grad_enabled, *referenced):
         seen.append(len(inputs))
-        return original(fn, inputs, grad_enabled, dicts)
+        return original(fn, inputs, grad_enabled, *referenced)
 
     monkeypatch.setattr(graph_mode, "trace", counting)
     return seen

@@ -505,3 +505,49 @@ def test_a_running_average_swapped_in_through_data_is_updated_once_per_call(mode
     assert_tree_allclose(to_numpy(module.ema), to_numpy(twin.ema), rtol=1e-6)
     if mode == "graph":  # a graph cannot replay the swap (NOTE [elements swapped through .data])
         assert any(issubclass(w.category, FallbackWarning) for w in seen)
+
+
+def test_trial_runs_of_a_closure_wait_for_module_calls_on_other_threads():
+    # The closure's inference noted the module while another thread's
+    # jaxify_module call had bound its tensors in, and put them back for
+    # good when its forward ended: views of freed XLA buffers (NOTE [trial
+    # runs wait for module calls]).
+    model = torch.nn.Linear(4, 4).to(TORCH_DEVICE)
+    weight, twin = model.weight, copy.deepcopy(model)
+    apply, params = t2j_ad.jaxify_module(model)
+    closure = t2j_ad.jaxify(lambda x: model(x))
+    stop = threading.Event()
+
+    def calls():
+        while not stop.is_set():
+            jax.block_until_ready(apply(params, jnp.ones((3, 4))))
+
+    caller = threading.Thread(target=calls)
+    caller.start()
+    try:
+        for n in range(120):
+            closure.clear_cache()
+            x = jnp.ones((n % 7 + 1, 4))
+            np.testing.assert_allclose(closure(x), to_numpy(twin(to_torch(x))), rtol=1e-6)
+    finally:
+        stop.set()
+        caller.join()
+    assert model.weight is weight
+    np.testing.assert_array_equal(to_numpy(weight), to_numpy(twin.weight))
+
+
+@pytest.mark.parametrize(("mode", "interrupt_at"), [("eager", 1), ("graph", 2)])
+def test_a_keyboard_interrupt_inside_the_users_functional_call_leaves_the_module_its_tensors(mode, interrupt_at):
+    # torch.func.functional_call put the module's tensors back as the
+    # KeyboardInterrupt passed; the trial run then "put back" its zeros.
+    module = _Interrupted(interrupt_at).to(TORCH_DEVICE)
+    own = {name: t for name, t in [*module.named_parameters(), *module.named_buffers()]}
+    values = {name: t.detach().clone() for name, t in own.items()}
+    f = t2j_ad.jaxify(lambda p, x: torch.func.functional_call(module, p, (x,)).sum(), compile=mode)
+    p = {name: jnp.asarray(to_numpy(t)) for name, t in module.named_parameters()}
+    with warnings.catch_warnings(), pytest.raises((KeyboardInterrupt, jax.errors.JaxRuntimeError)):
+        warnings.simplefilter("ignore", FallbackWarning)
+        for _ in range(interrupt_at):
+            f(p, jnp.ones((4, 3)))
+    now = dict([*module.named_parameters(), *module.named_buffers()])
+    assert all(now[name] is t and torch.equal(t, values[name]) for name, t in own.items())
