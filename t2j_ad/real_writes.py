@@ -214,13 +214,25 @@ class ModuleAttributesKept:
     a module under it, is unbound again when that ``forward`` ends, the old
     value put back; ``rebound`` names each as ``Class.name``."""
 
-    def __init__(self, caches: CachesKept | None = None, found: dict[tuple[int, int, str], Any] | None = None) -> None:
+    def __init__(self, caches: CachesKept | None = None, found: Iterable[torch.nn.Module] = ()) -> None:
         # Where the dicts of each module noted are noted too (NOTE [trial
         # runs leave caches as they found them] in trial_caches.py).
         self._caches = caches
-        # (id(module), table, name) -> the tensor bound there when the trial
-        # run began (NOTE [trial runs wait for module calls]).
-        self._found = found or {}
+        # The modules the function refers to, with copies of their tables as
+        # the run found them; and (id(module), table, name) -> the tensor
+        # bound there (NOTE [trial runs wait for module calls]).
+        self._as_found = [
+            (m, tuple(dict(table) for table in _attribute_tables(m)))
+            for m in found
+            if not isinstance(m, torch.jit.ScriptModule)
+        ]
+        self._found = {
+            (id(m), k, name): value
+            for m, tables in self._as_found
+            for k, table in enumerate(tables)
+            for name, value in table.items()
+            if isinstance(value, torch.Tensor)
+        }
         self.rebound: list[str] = []
         # Each rebinding as (module, name, the tensor bound before): state
         # the function keeps (NOTE [derivatives do not write again]).
@@ -281,6 +293,8 @@ class ModuleAttributesKept:
             for k, (table, saved) in enumerate(zip(_attribute_tables(module), before)):
                 for name, old, new in changed_entries(table, saved):
                     if not (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):
+                        if table is module.__dict__:
+                            put_back(table, name, old)  # NOTE [Python state in trial runs]
                         continue
                     if new is not None and self._found.get((id(module), k, name)) is new:
                         continue  # as the run found it: put back by whatever bound around the forward
@@ -323,6 +337,35 @@ class ModuleAttributesKept:
             starts.remove()
             ends.remove()
             self._end_open_forwards(0)
+            self._put_back_as_found()
+
+    def _put_back_as_found(self) -> None:
+        """Put back what the run changed, outside any forward, in the modules
+        the function refers to (a method such as rotary embeddings'
+        ``rotate_queries_or_keys``: NOTE [Python state in trial runs])."""
+        for module, before in self._as_found:
+            for table, saved in zip(_attribute_tables(module), before):
+                for name, old, new in changed_entries(table, saved):
+                    put_back(table, name, old)
+                    if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
+                        self.rebound.append(f"{type(module).__name__}.{name}")
+
+
+# NOTE [Python state in trial runs]
+# A module's forward keeps Python state beside its tensors: a cache's length
+# (rotary embeddings fill a buffer of frequencies and note how far in an
+# int), a tuple of tensors (PyTorch Geometric's GCNConv(cached=True) keeps
+# the normalized graph of its first call), a flag saying a lazy setup ran
+# (Pyro's autoguides). The run on zeros put back the buffer's values but
+# left the length, so the real calls rotated by zeros; kept the graph of an
+# all-zeros edge_index; and left the flag set over the tensors it unbound.
+# So every plain attribute a forward in a trial run rebinds is put back
+# when that forward ends, as its tensors are; and what the run changed in
+# the modules the function refers to, outside any forward (rotary
+# embeddings' cache is filled by a method, ``rotate_queries_or_keys``), is
+# put back when the run ends. A plain attribute put back is not counted as
+# a rebinding: a graph replays none of the forward's Python, and the values
+# it computes depend on its tensors alone.
 
 
 # NOTE [forwards a KeyboardInterrupt ends]
@@ -446,16 +489,6 @@ def one_trial_run() -> threading.RLock:
 # (an outer binding that a KeyboardInterrupt unwound, such as the user's own
 # ``torch.func.functional_call``, put it back: NOTE [forwards a
 # KeyboardInterrupt ends]).
-def _found_in(modules: Iterable[torch.nn.Module]) -> dict[tuple[int, int, str], Any]:
-    found: dict[tuple[int, int, str], Any] = {}
-    for module in modules:
-        if isinstance(module, torch.jit.ScriptModule):
-            continue
-        for k, table in enumerate(_attribute_tables(module)):
-            for name, value in table.items():
-                if isinstance(value, torch.Tensor):
-                    found[(id(module), k, name)] = value
-    return found
 
 
 @contextlib.contextmanager
@@ -476,7 +509,7 @@ def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()
         caches = CachesKept()
         try:
             caches.note([*dicts, parametrize_cache()])
-            with ModuleAttributesKept(caches, _found_in(under)).watching() as attributes:
+            with ModuleAttributesKept(caches, under).watching() as attributes:
                 writes = RealWritesUndone(attributes.owner_of)
                 with writes, random_state_kept():
                     yield TrialRun(attributes, writes)

@@ -403,11 +403,12 @@ class _Interrupted(torch.nn.Module):
     def __init__(self, interrupt_at):
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
-        self.interrupt_at, self.runs = interrupt_at, 0
+        # Counted outside the module: trial runs put back its Python state.
+        self.interrupt_at, self.runs = interrupt_at, [0]
 
     def forward(self, x):
-        self.runs += 1
-        if self.runs == self.interrupt_at:
+        self.runs[0] += 1
+        if self.runs[0] == self.interrupt_at:
             raise KeyboardInterrupt
         return self.net(x)
 
@@ -551,3 +552,59 @@ def test_a_keyboard_interrupt_inside_the_users_functional_call_leaves_the_module
             f(p, jnp.ones((4, 3)))
     now = dict([*module.named_parameters(), *module.named_buffers()])
     assert all(now[name] is t and torch.equal(t, values[name]) for name, t in own.items())
+
+
+class _PositionCache(torch.nn.Module):
+    """Fills a buffer of positions and notes its length in a Python int, as
+    rotary embeddings do; ``rotate`` is a method other than forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cached", torch.zeros(16), persistent=False)
+        self.cached_len = 0
+
+    def rotate(self, x):
+        n = x.shape[0]
+        if n > self.cached_len:
+            self.cached[:n] = torch.arange(n, dtype=x.dtype, device=x.device) + 1.0
+            self.cached_len = n
+        return x * self.cached[:n]
+
+    def forward(self, x):
+        return self.rotate(x)
+
+
+class _LazySetup(torch.nn.Module):
+    """Makes its parameter on the first call and flags it, as Pyro's autoguides do."""
+
+    def __init__(self):
+        super().__init__()
+        self.ready = False
+
+    def forward(self, x):
+        if not self.ready:
+            self.loc = torch.nn.Parameter(x.mean(0).detach().clone())
+            self.ready = True
+        return (x - self.loc).sum(0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("make, call", [
+    (_PositionCache, lambda m, x: m(x)),
+    (_PositionCache, lambda m, x: m.rotate(x)),  # no forward hook sees it
+    (_LazySetup, lambda m, x: m(x)),
+], ids=["cache-forward", "cache-method", "lazy-setup"])
+def test_python_state_a_trial_run_changes_is_put_back(make, call, mode):
+    # The run on zeros left the length (or the flag) set over the tensors it
+    # put back: the real calls multiplied by zeros, or found no parameter
+    # (NOTE [Python state in trial runs]).
+    module = make().to(TORCH_DEVICE)
+    twin = copy.deepcopy(module)
+    f = t2j_ad.jaxify(lambda x: call(module, x), compile=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        for n in (4, 6):
+            x = np.random.default_rng(n).normal(size=(n,)).astype(np.float32) + 2.0
+            np.testing.assert_allclose(f(jnp.asarray(x)), to_numpy(call(twin, to_torch(x))), rtol=1e-6)
+    x = to_torch(np.ones(6, np.float32))
+    np.testing.assert_allclose(to_numpy(call(module, x)), to_numpy(call(twin, x)), rtol=1e-6)
