@@ -200,6 +200,16 @@ def explicit_mesh(avals: Sequence[Any]) -> Any:
     return None
 
 
+def sharded_as(value: Any, aval: Any) -> Any:
+    """``value`` resharded to the type ``aval`` has on a mesh's Explicit axes
+    (a cotangent must have its primal's type); ``value`` where ``aval`` is
+    typed on no such mesh or the two agree."""
+    want = getattr(aval, "sharding", None)
+    if explicit_mesh([aval]) is None or getattr(jax.typeof(value), "sharding", None) == want:
+        return value
+    return jax.sharding.reshard(value, want)
+
+
 def spec_entry(aval: Any, dim: int) -> Any:
     """The PartitionSpec entry ``aval``'s type gives dimension ``dim`` (None: whole)."""
     spec = getattr(getattr(aval, "sharding", None), "spec", None)
@@ -929,7 +939,10 @@ def register_rules(
             elif ct is None:
                 result.append(ad.Zero(a.aval.to_tangent_aval()))
             else:
-                result.append(ct)
+                # On Explicit axes a cotangent has its primal's type, where a
+                # call's results are typed whole unless mapped (NOTE [results
+                # on Explicit axes] in primitive.py).
+                result.append(sharded_as(ct, a.aval))
         return result
 
     def batch_adapter(args, dims, **params):

@@ -70,12 +70,19 @@ def _finish_queued_calls() -> None:
     arrays: the extension's own exit hook, which runs after this one
     (registered later, run earlier), drops the dispatcher, and a call XLA
     ran after that failed with "no Python dispatcher is registered" instead
-    of running (its state updates lost)."""
+    of running (its state updates lost). A computation whose results were
+    freed already (printed, then dropped) makes no live array: JAX's
+    runtime tokens wait for those (``jax.effects_barrier``), which JAX's own
+    exit hook waited on only after the dispatcher was gone."""
     for array in jax.live_arrays():
         try:
             array.block_until_ready()
         except Exception:  # noqa: BLE001 - its error was the caller's to see; exiting anyway
             pass
+    try:
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001 - as above
+        pass
 
 
 if _ffi_ext is not None:

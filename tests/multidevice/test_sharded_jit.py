@@ -346,9 +346,9 @@ def test_graph_mode_traces_the_local_batch_and_stays_sharded(mesh, monkeypatch):
     traced_shapes = []
     original = graph_mode.trace
 
-    def recording(fn, inputs, grad_enabled, dicts=()):
+    def recording(fn, inputs, grad_enabled, *referenced):
         traced_shapes.append([tuple(t.shape) for t in inputs])
-        return original(fn, inputs, grad_enabled, dicts)
+        return original(fn, inputs, grad_enabled, *referenced)
 
     monkeypatch.setattr(graph_mode, "trace", recording)
     f = t2j_ad.jaxify(lambda w, x: torch.tanh(x @ w) ** 2, vmap_method="expand_dims", compile="graph")
@@ -479,3 +479,30 @@ def test_a_mapped_call_with_effects_whose_batch_is_not_split_is_refused(mesh):
     xs = jax.device_put(np.ones((16, 4), np.float32), NamedSharding(mesh, P("b")))
     value, grad = jax.jit(jax.value_and_grad(lambda x: jax.vmap(drop)(x).sum()))(xs)
     assert float(value) == pytest.approx(float(grad.sum()))  # y = 2 m x, dy/dx = 2 m
+
+
+def test_on_explicit_axes_cotangents_have_their_primals_sharded_types():
+    # A cotangent must have its primal's type; a call's results are typed
+    # whole unless mapped, so jax.grad with respect to a sharded input of an
+    # undeclared call (or a parameter sharded over a model axis) failed
+    # inside JAX: "Expected cotangent type float32[16@b,3] but got float32[16,3]".
+    mesh = _explicit_mesh()
+    x = np.arange(48, dtype=np.float32).reshape(16, 3) / 10
+    xs = jax.device_put(x, NamedSharding(mesh, P("b")))
+    f = t2j_ad.jaxify(lambda x: torch.sin(x) * 2)
+    grad = jax.jit(jax.grad(lambda x: f(x).sum()))(xs)
+    assert_tree_allclose(grad, 2 * np.cos(x), rtol=1e-6)
+    assert jax.typeof(grad).sharding.spec == P("b", None)
+    jac = jax.jit(jax.jacrev(lambda x: f(x).sum(1)))(xs)
+    assert_tree_allclose(jac, jax.jacrev(lambda x: (jnp.sin(x) * 2).sum(1))(x), rtol=1e-6)
+    # Two axes: the batch on one, a weight on the other, declared and not.
+    grid = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    w = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    ws = jax.device_put(w, NamedSharding(grid, P(None, "model")))
+    xd = jax.device_put(x[:8], NamedSharding(grid, P("data")))
+    g = t2j_ad.jaxify(lambda x, w: torch.tanh(x @ w))
+    expected = jax.grad(lambda x, w: (jnp.tanh(x @ w) ** 2).sum(), (0, 1))(x[:8], w)
+    for fn in (g, t2j_ad.jaxify(lambda x, w: torch.tanh(x @ w), batch_argnums=0)):
+        got = jax.jit(jax.grad(lambda x, w: (fn(x, w) ** 2).sum(), (0, 1)))(xd, ws)
+        assert_tree_allclose(got, expected, rtol=1e-5, atol=1e-6)
+        assert jax.typeof(got[1]).sharding.spec == P(None, "model")
