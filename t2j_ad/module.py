@@ -94,6 +94,7 @@ from .api import JaxifiedFunction, check_batch_argnums
 from .convert import call_device, copy_to_jax, jax_dtype, torch_device, torch_dtype
 from .module_modes import refuse_uninitialized
 from .module_structure import ModuleChangedError
+from .held_bindings import release_after_the_call
 from .module_locks import in_lock_order, release
 from .real_writes import forwards_end_here
 
@@ -441,15 +442,22 @@ def jaxify_module(
         # copies. NOTE [binding tensors into a module]
         copies = None if on_device is buffers.home else on_device
         # The module as it is now, as functional_call found it. NOTE [one module, many threads]
-        with _holding_locks(slots_now) as slots, _fast_path_off:
+        with contextlib.ExitStack() as held:
+            slots = held.enter_context(_holding_locks(slots_now))
+            held.enter_context(_fast_path_off)
             if slots_now.unbound:
                 raise _unbound_params_error(module, slots_now.unbound)
             try:
-                with _bound(slots.params, params), _bound(slots.buffers, copies), forwards_end_here():
-                    return module(*args, **kwargs)
+                held.enter_context(_bound(slots.params, params))
+                held.enter_context(_bound(slots.buffers, copies))
+                with forwards_end_here():
+                    out = module(*args, **kwargs)
             except Exception as err:
                 _note_recast_params(err, params, given_dtypes, module)
                 raise
+            # NOTE [bindings held through the reverse pass]
+            release_after_the_call(held.pop_all().close)
+            return out
 
     forward.__qualname__ = f"{type(module).__name__}.forward"
     nums = check_batch_argnums(batch_argnums)

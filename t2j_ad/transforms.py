@@ -15,6 +15,7 @@ import torch
 from . import functorch_levels
 from .composite_norms import with_composite_norms
 from .convert import on_another_device, torch_dtype
+from .held_bindings import held_through_the_call
 from .replayed_calls import effects, effects_now, per_example_refusal, token_input
 from .rules.fallbacks import forward_mode, reverse_mode, vmap_auto, warn_once
 from .torch_fn import Aval, Jvp, TorchFn, Transform, Vjp, Vmap
@@ -285,7 +286,8 @@ def build(fun: TorchFn) -> Callable[..., tuple[Any, ...]]:
     mark = (_SECOND_ORDER,) if second_order else ()
     built = base.built.get(mark + fun.transforms)
     if built is not None:
-        return built
+        # NOTE [bindings held through the reverse pass] in held_bindings.py
+        return held_through_the_call(built) if fun.transforms else built
     g = with_composite_norms(base.fn, getattr(base, "referenced_modules", ())) if second_order else base.fn
     prefix: tuple[Transform, ...] = ()
     for t, (ins, outs) in zip(fun.transforms, stage_avals(fun)):
@@ -297,7 +299,7 @@ def build(fun: TorchFn) -> Callable[..., tuple[Any, ...]]:
             with base.lock:
                 base.built[key] = cached
         g = cached
-    return g
+    return held_through_the_call(g) if fun.transforms else g
 
 
 _SECOND_ORDER = "normalizations by plain ops"  # a key of base.built (NOTE [normalizations at second order])

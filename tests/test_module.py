@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -548,3 +550,65 @@ def test_a_submodule_swapped_in_after_a_call_is_seen_by_derivatives(x64):
         assert_tree_allclose(grads, {k: jnp.asarray(to_numpy(v)) for k, v in expected_grads.items()}, rtol=1e-10)
     with pytest.raises(Exception, match="had a submodule replaced, since jax.jit traced it"):
         jax.block_until_ready(jitted(params))
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return (checkpoint(lambda x: torch.tanh(self.lin(x)), x, use_reentrant=False) ** 2).sum()
+
+
+class _AdjointLike(nn.Module):
+    """A backward that evaluates the module again and differentiates with
+    respect to the parameters its forward found, as odeint_adjoint does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return _Adjoint.apply(x, self, *self.parameters())
+
+
+class _Adjoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, module, *params):
+        ctx.module, ctx.params = module, params
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return torch.tanh(module.lin(x)).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            out = torch.tanh(ctx.module.lin(x)).sum()
+            grads = torch.autograd.grad(out, (x, *ctx.params), g)
+        return grads[0], None, *grads[1:]
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("make", [_Checkpointed, _AdjointLike], ids=["checkpoint", "adjoint"])
+def test_a_backward_that_runs_the_module_again_sees_the_parameters_given(make, mode):
+    # NOTE [bindings held through the reverse pass]: the recomputation read
+    # the module's own parameters: checkpointed gradients came out at them,
+    # an adjoint's were 0.
+    torch.manual_seed(0)
+    module = make().to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
+    given = {k: v * 2 for k, v in params.items()}  # as after an optimizer step
+    x = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
+    twin = make().to(TORCH_DEVICE)
+    twin.load_state_dict({k: to_torch(v) for k, v in given.items()})
+    expected = torch.autograd.grad(twin(to_torch(x)), list(twin.parameters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", t2j_ad.FallbackWarning)
+        grads = jax.grad(apply)(given, jnp.asarray(x))
+    for (name, _), want in zip(twin.named_parameters(), expected):
+        assert_tree_allclose(grads[name], to_numpy(want), rtol=1e-5, atol=1e-6)
