@@ -70,6 +70,16 @@ a mapped axis that the partitioner finds unsplit (the batch replicated,
 sharded along another dimension, or not dividing evenly) would run whole on
 every device, four different masks behind one "replicated" result, the
 state updated once per device: the partition callback refuses it too.
+
+NOTE [empty results on a mesh]
+A call none of whose results holds an element is marked as having side
+effects (``replayed_calls.kept_by_xla``), so that XLA, which replaces such
+results by constants, still runs it and a function whose declared empty
+result was really another shape is refused. Under a ``jax.jit`` over several
+devices XLA's partitioner refuses that mark ("Side-effect HLO must have
+sharding", an internal RET_CHECK) for every such call, the empty slice of a
+batch included. There the results are the empty constants themselves, and
+the function does not run, as a pure function of no output need not.
 """
 
 from __future__ import annotations
@@ -82,6 +92,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import backends
@@ -226,6 +237,9 @@ def partitionable(lowering: Callable[..., Sequence[Any]]) -> Callable[..., Seque
 
     def torch_call_partitioned_lowering(ctx: Any, *args: Any, fun: TorchFn) -> Sequence[Any]:
         if partitioned_devices(ctx) > 1:
+            if not has_side_effects(fun) and not any(math.prod(a.shape) for a in fun.out_avals):
+                # NOTE [empty results on a mesh]
+                return lower_fun(lambda *xs: [jnp.zeros(a.shape, a.dtype) for a in fun.out_avals])(ctx, *args)
             bm = batch_map(fun)
             if bm is not None and bm.size > 0 and _ffi_lowers(ctx):
                 return _lower_partitioned(ctx, args, fun, bm)
