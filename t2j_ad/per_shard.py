@@ -99,7 +99,8 @@ def plan(leaves: Sequence[Any], out_specs: Any, *, name: str) -> ShardPlan | Non
                 f"call inside jax.shard_map, or split over Auto axes with "
                 f"t2j_ad.jaxify(fn, batch_argnums=...)."
             )
-        manual |= named & _axes_of_type(mesh, AxisType.Explicit)
+        if manual:  # with every input replicated, once on the global arrays (see the NOTE)
+            manual |= named & _axes_of_type(mesh, AxisType.Explicit)
     if not manual:
         return None
     if out_specs is None:

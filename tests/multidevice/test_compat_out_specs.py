@@ -137,6 +137,12 @@ def test_replicated_inputs_and_no_mesh_call_once_on_the_whole_arrays():
     g = torch2jax(lambda x, w: x @ w, x, w, out_specs=P("x"))
     plain_x, plain_w = jnp.asarray(x), jnp.asarray(w)
     assert_tree_allclose((y, g(plain_x, plain_w)), (x @ w, plain_x @ plain_w))
+    # Under the mesh too: out_specs naming an axis no input is sharded over
+    # ran the whole call on each device and stacked the four results.
+    with jax.set_mesh(mesh):
+        out = jax.block_until_ready(jax.jit(g)(x, w))
+    assert out.shape == (x @ w).shape
+    assert_tree_allclose(out, x @ w)
 
 
 def test_refusals_name_the_fix():
