@@ -148,6 +148,40 @@ def _native_batch_norm_legit(
     return _native_batch_norm(input, weight, bias, *running, *rest)
 
 
+def _batch_norm_impl_index(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    cudnn_enabled: bool,
+) -> tuple[Any, ...]:
+    """``aten._batch_norm_impl_index``: the native kernel's results, an empty
+    reserve and the native implementation's index (0)."""
+    out, mean, rstd = _native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    return out, mean, rstd, torch.empty(0, dtype=torch.uint8, device=input.device), 0
+
+
+def _native_batch_norm_legit_functional(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[torch.Tensor, ...]:
+    """``aten._native_batch_norm_legit_functional``: the running statistics
+    updated in new tensors, the given ones left alone."""
+    new_mean, new_var = running_mean.clone(), running_var.clone()
+    out, mean, rstd = _native_batch_norm(input, weight, bias, new_mean, new_var, training, momentum, eps)
+    return out, mean, rstd, new_mean, new_var
+
+
 def _output_of(native: Callable[..., tuple[torch.Tensor, ...]]) -> Callable[..., torch.Tensor]:
     """``torch.batch_norm`` / ``torch.instance_norm`` (one signature) by ``native``."""
 
@@ -221,6 +255,8 @@ _COMPOSITE: dict[Callable[..., Any], Callable[..., Any]] = {
             (_aten.batch_norm, _batch_norm),
             (_aten.native_batch_norm, _native_batch_norm),
             (_aten._native_batch_norm_legit, _native_batch_norm_legit),
+            (_aten._native_batch_norm_legit_functional, _native_batch_norm_legit_functional),
+            (_aten._batch_norm_impl_index, _batch_norm_impl_index),
             (_aten.instance_norm, _instance_norm),
         )
         for op in (packet, *(getattr(packet, name) for name in packet.overloads() if "out" not in name))

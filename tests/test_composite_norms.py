@@ -88,6 +88,16 @@ DIRECT = {
         lambda x, w, b: torch.ops.aten._native_batch_norm_legit.no_stats(x, w, b, True, 0.1, EPS)[0],
         "batch_norm",
     ),
+    "aten._batch_norm_impl_index": (
+        lambda x, w, b: torch.ops.aten._batch_norm_impl_index(x, w, b, None, None, True, 0.1, EPS, False)[0],
+        "batch_norm",
+    ),
+    "aten._native_batch_norm_legit_functional": (
+        lambda x, w, b: torch.ops.aten._native_batch_norm_legit_functional(
+            x, w, b, torch.zeros(4, dtype=x.dtype), torch.ones(4, dtype=x.dtype), True, 0.1, EPS
+        )[0],
+        "batch_norm",
+    ),
 }
 
 
