@@ -455,8 +455,11 @@ def jaxify_module(
             except Exception as err:
                 _note_recast_params(err, params, given_dtypes, module)
                 raise
-            # NOTE [bindings held through the reverse pass]
-            release_after_the_call(held.pop_all().close)
+            # NOTE [bindings held through the reverse pass]: a derivative call
+            # releases them when it ends; anything else, now.
+            release = held.pop_all().close
+            if not release_after_the_call(release):
+                release()
             return out
 
     forward.__qualname__ = f"{type(module).__name__}.forward"

@@ -15,12 +15,16 @@ _OWN = __name__.rpartition(".")[0] + "."  # t2j_ad's own objects are not the use
 # The most entries of a dict, list or tuple looked into, and how many steps.
 _CONTAINER_ENTRIES = 64
 _DEPTH = 2
+# Modules whose attributes are not looked into: PyTorch's, JAX's and the
+# like hold no cache of the user's.
+_LIBRARIES = ("torch", "jax", "numpy", "t2j_ad", "builtins", "math", "functools", "typing")
 
 
 def reachable(fn: Callable[..., Any], wanted: Callable[[Any], bool], stop: tuple[type, ...] = ()) -> list[Any]:
     """The objects ``wanted`` accepts among those ``fn`` reaches: itself, a
     bound method's ``self`` (and what it holds as attributes), what its code
-    names from its closure, globals or default arguments, a
+    names from its closure, globals or default arguments (and what it names
+    in a module it names, but PyTorch's and the like), a
     ``functools.partial``'s function and arguments, and the entries of a
     dict, list or tuple among those (``models["encoder"]``); each once, up
     to two steps from ``fn``, not looking into an object of a ``stop`` type."""
@@ -53,6 +57,13 @@ def reachable(fn: Callable[..., Any], wanted: Callable[[Any], bool], stop: tuple
             defaults = (*(code_of.__defaults__ or ()), *(code_of.__kwdefaults__ or {}).values())
             for value in (*names.nonlocals.values(), *names.globals.values(), *defaults):
                 visit(value, depth + 1)
+            for value in (*names.nonlocals.values(), *names.globals.values()):
+                if isinstance(value, types.ModuleType) and not value.__name__.startswith(_LIBRARIES):
+                    # mystore.param(...): what the code names in a module it names
+                    # (Pyro's pyro.param and its param store)
+                    for name in code_of.__code__.co_names:
+                        if name in vars(value):
+                            visit(vars(value)[name], depth + 1)
         elif (
             depth
             and not callable(obj)

@@ -607,8 +607,13 @@ def test_a_backward_that_runs_the_module_again_sees_the_parameters_given(make, m
     twin = make().to(TORCH_DEVICE)
     twin.load_state_dict({k: to_torch(v) for k, v in given.items()})
     expected = torch.autograd.grad(twin(to_torch(x)), list(twin.parameters()))
+    own = list(module.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", t2j_ad.FallbackWarning)
         grads = jax.grad(apply)(given, jnp.asarray(x))
+        value = apply(given, jnp.asarray(x))
     for (name, _), want in zip(twin.named_parameters(), expected):
         assert_tree_allclose(grads[name], to_numpy(want), rtol=1e-5, atol=1e-6)
+    assert_tree_allclose(value, to_numpy(twin(to_torch(x)).detach()), rtol=1e-5, atol=1e-6)
+    # After the calls, plain and derivative, the module holds its own parameters again.
+    assert all(p is q for p, q in zip(module.parameters(), own))

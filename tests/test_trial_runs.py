@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import types
 import warnings
 
 import jax
@@ -608,3 +609,47 @@ def test_python_state_a_trial_run_changes_is_put_back(make, call, mode):
             np.testing.assert_allclose(f(jnp.asarray(x)), to_numpy(call(twin, to_torch(x))), rtol=1e-6)
     x = to_torch(np.ones(6, np.float32))
     np.testing.assert_allclose(to_numpy(call(module, x)), to_numpy(call(twin, x)), rtol=1e-6)
+
+
+# A library module keeping a store of tensors, named by the function as
+# ``store_library.param(...)`` (the shape of Pyro's pyro.param).
+_store_library = types.ModuleType("store_library")
+exec(  # noqa: S102 - a module's source, as a library would have it
+    """
+class Store:
+    def __init__(self):
+        self._d = {}
+
+    def get(self, name, init):
+        if name not in self._d:
+            self._d[name] = init()
+        return self._d[name]
+
+STORE = Store()
+
+def param(name, init):
+    return STORE.get(name, init)
+""",
+    _store_library.__dict__,
+)
+
+
+def _projected_by_a_stored_basis(x):
+    basis = _store_library.param("basis", lambda: torch.linalg.qr(x.T @ x + torch.eye(x.shape[1], dtype=x.dtype, device=x.device))[0].detach())
+    return x @ basis
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_store_in_a_library_module_the_function_names_keeps_no_trial_tensor(mode):
+    # The run on zeros stored the identity (or a meta tensor) there, and every
+    # later call, in JAX or PyTorch, used it (NOTE [trial runs leave caches as
+    # they found them]).
+    _store_library.STORE._d.clear()
+    x = np.array([[1.0, 2.0], [3.0, 5.0], [2.0, 0.0]], np.float32)
+    expected = to_numpy(_projected_by_a_stored_basis(to_torch(x)))
+    _store_library.STORE._d.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        out = t2j_ad.jaxify(_projected_by_a_stored_basis, compile=mode)(jnp.asarray(x))
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    assert all(t.device == TORCH_DEVICE and type(t) is torch.Tensor for t in _store_library.STORE._d.values())
