@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Sequence
 from typing import Any
 
@@ -264,13 +266,37 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
+_WIDE = (torch.float64, torch.int64, torch.uint64, torch.complex128)
+
+
 def tree_t2j(tree: Any) -> Any:
     """Every torch tensor in ``tree`` as a JAX array; other leaves unchanged.
 
     Zero-copy through DLPack: each array shares its tensor's memory and stays
-    on its device, so the tensor must not be written to afterwards.
+    on its device, so the tensor must not be written to afterwards. With
+    ``jax_enable_x64`` off, a 64-bit tensor is copied into 32 bits, as JAX
+    takes 64-bit values in that mode, with a ``UserWarning`` naming the leaf.
     """
-    return jax.tree_util.tree_map(lambda x: t2j(x) if _is_tensor(x) else x, tree, is_leaf=_is_tensor)
+
+    narrowed = []
+
+    def convert(path: Any, x: Any) -> Any:
+        if not _is_tensor(x):
+            return x
+        if x.dtype in _WIDE and not jax.config.jax_enable_x64:
+            narrowed.append(f"tree{jax.tree_util.keystr(path)} ({x.dtype})")
+        return t2j(x)
+
+    converted = jax.tree_util.tree_map_with_path(convert, tree, is_leaf=_is_tensor)
+    if narrowed:
+        warnings.warn(
+            f"t2j_ad.tree_t2j: {', '.join(narrowed)} holds 64-bit values, but jax_enable_x64 is off, so "
+            f"JAX gets them in 32 bits (a copy; values beyond 32 bits change: 2**40 becomes 0 as int32). "
+            f"Enable x64 (jax.config.update('jax_enable_x64', True)) to keep 64 bits.",
+            UserWarning,
+            stacklevel=2,
+        )
+    return converted
 
 
 def tree_j2t(tree: Any) -> Any:

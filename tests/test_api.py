@@ -720,3 +720,16 @@ def test_a_call_made_inside_the_callers_inference_mode_runs_outside_it(mode):
     np.testing.assert_allclose(results[1], expected, rtol=1e-6)
     np.testing.assert_allclose(results[2], jnp.cos(x), rtol=1e-6)  # g is of x.detach(): no derivative
     assert torch.is_inference_mode_enabled() is False
+
+
+def test_tree_t2j_warns_where_x64_off_narrows_a_leaf():
+    # jnp.asarray warns for such values; tree_t2j turned 2**40 into 0 silently.
+    if jax.config.jax_enable_x64:
+        pytest.skip("needs jax_enable_x64 off: 64-bit leaves are kept whole with it on")
+    tree = {"big": torch.tensor([2**40]), "small": torch.ones(2)}
+    with pytest.warns(UserWarning, match=r"tree\['big'\] \(torch.int64\) holds 64-bit values.*jax_enable_x64"):
+        out = t2j_ad.tree_t2j(tree)
+    assert out["small"].dtype == jnp.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t2j_ad.tree_t2j({"small": torch.ones(2)})  # no warning for 32-bit leaves
