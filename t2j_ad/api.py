@@ -333,8 +333,9 @@ class JaxifiedFunction:
                 where = f"output{jax.tree_util.keystr(path)}"
                 if not isinstance(leaf, torch.Tensor):
                     raise not_a_tensor(self.name, where, leaf)
-                if leaf.layout != torch.strided:
-                    raise not_dense(self.name, where, leaf)
+                unfit = not_dense(self.name, where, leaf)
+                if unfit is not None:
+                    raise unfit
                 try:
                     dtype = jax_dtype(leaf.dtype)
                 except UnsupportedDtypeError as err:

@@ -306,7 +306,7 @@ def _check_shapes_agree(name: str, where: torch.device, on_zeros: Any, on_ones: 
             f"ones (inferring its output shapes on {where}). {_FIXED_SHAPES_ADVICE}."
         )
     for i, (zeros_out, ones_out) in enumerate(zip(jax.tree_util.tree_leaves(on_zeros), jax.tree_util.tree_leaves(on_ones))):
-        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in (zeros_out, ones_out)]
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) and not t.is_nested else None for t in (zeros_out, ones_out)]
         if shapes[0] != shapes[1]:
             raise TorchCallError(
                 f"the output shapes of the PyTorch function {name} depend on its input values: output {i} "

@@ -142,12 +142,25 @@ def not_a_tensor(fn_name: str, where: str, value: object) -> TorchCallError:
     )
 
 
-def not_dense(fn_name: str, where: str, value: torch.Tensor) -> TorchCallError:
-    """The error for an output in a layout XLA's buffers cannot take (sparse, MKL-DNN)."""
-    return TorchCallError(
-        f"{fn_name}: {where} is a tensor of layout {value.layout}; JAX arrays are dense, so return "
-        f"a dense (strided) tensor: call .to_dense() on it."
-    )
+def not_dense(fn_name: str, where: str, value: torch.Tensor) -> TorchCallError | None:
+    """The error for an output XLA's buffers cannot take: another layout
+    (sparse, MKL-DNN), a nested or a quantized tensor; None for a dense one."""
+    if value.is_nested:
+        return TorchCallError(
+            f"{fn_name}: {where} is a nested tensor; JAX arrays are dense and rectangular, so return "
+            f"a dense one: call .to_padded_tensor(0) on it."
+        )
+    if value.is_quantized:
+        return TorchCallError(
+            f"{fn_name}: {where} is a quantized tensor ({value.dtype}); JAX has no quantized arrays, so "
+            f"return its values: call .dequantize() on it (or .int_repr() for the integers)."
+        )
+    if value.layout != torch.strided:
+        return TorchCallError(
+            f"{fn_name}: {where} is a tensor of layout {value.layout}; JAX arrays are dense, so return "
+            f"a dense (strided) tensor: call .to_dense() on it."
+        )
+    return None
 
 
 # NOTE [forward AD is process-wide]
@@ -554,8 +567,9 @@ class _Runner:
         for name, r, aval in zip(self.out_names, results, self.out_avals):
             if not isinstance(r, torch.Tensor):
                 raise not_a_tensor(self.name, name, r)
-            if r.layout != torch.strided:
-                raise not_dense(self.name, name, r)
+            unfit = not_dense(self.name, name, r)
+            if unfit is not None:
+                raise unfit
             if tuple(r.shape) != aval.shape:
                 raise TorchCallError(
                     f"{self.name}: {name} has shape {tuple(r.shape)}, but "

@@ -400,3 +400,20 @@ def test_a_one_tuple_returned_where_one_array_is_declared_names_the_structure():
     f = t2j_ad.jaxify(lambda x: (x * 2,), output_shapes=jax.ShapeDtypeStruct((3,), jnp.float32))
     with pytest.raises(Exception, match=r"returned a tuple of 1; expected one tensor, not in a tuple"):
         jax.block_until_ready(f(jnp.ones(3)))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda x: torch.quantize_per_tensor(x, 0.1, 0, torch.quint8), r"output is a quantized tensor.*\.dequantize\(\)"),
+        (lambda x: torch.nested.nested_tensor([x[0], x[1]]), r"output is a nested tensor.*\.to_padded_tensor\(0\)"),
+    ],
+    ids=["quantized", "nested"],
+)
+def test_a_quantized_or_nested_output_is_refused_by_name_with_the_fix(make, message):
+    # A quantized output was blamed on a meta kernel (with output_shapes= as
+    # the fix, which cannot declare quint8); a nested one raised PyTorch's
+    # "Internal error: NestedTensorImpl doesn't support sizes".
+    with pytest.raises(RUNTIME_ERRORS, match=message):
+        jax.block_until_ready(t2j_ad.jaxify(make)(jnp.ones((2, 3))))
