@@ -428,6 +428,13 @@ def jaxify_module(
     _check_device(device)
     for sub in module.modules():
         refuse_uninitialized(sub)  # before PyTorch's own error from reading its parameters
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if t.is_meta:
+            raise ValueError(
+                f"jaxify_module({type(module).__name__}): {name} is on the meta device, which holds no "
+                f"values to hand JAX. Materialize the module first: module.to_empty(device='cpu') and "
+                f"initialize it (or load a state_dict), then wrap it."
+            )
     params = {name: copy_to_jax(p, device) for name, p in module.named_parameters()}
     _warn_narrowed_params_beside_wide_buffers(module, params)
     buffers = _BuffersByDevice(module)

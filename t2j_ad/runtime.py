@@ -94,7 +94,7 @@ def torch_threads() -> int:
         env = os.environ.get("T2J_AD_TORCH_THREADS", "").strip()
         if not env:
             _threads = max(1, (os.cpu_count() or 1) // 2)
-        elif not env.isdigit() or int(env) < 1:
+        elif not (env.isascii() and env.isdigit()) or int(env) < 1:
             raise ValueError(
                 f"T2J_AD_TORCH_THREADS must be a whole number >= 1 (PyTorch threads "
                 f"inside t2j_ad calls), got {env!r}; unset it for half the cores."

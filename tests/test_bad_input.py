@@ -366,6 +366,7 @@ print("good call ok")
         ("T2J_AD_TORCH_THREADS", "abc", "1"),
         ("T2J_AD_TORCH_THREADS", "0", "1"),
         ("T2J_AD_TORCH_THREADS", "-2", "1"),
+        ("T2J_AD_TORCH_THREADS", "\u00b2", "1"),  # a digit to str.isdigit, not to int()
         ("T2J_AD_BACKEND", "cuda", "callback"),
         ("T2J_AD_TUNE_MALLOC", "maybe", "0"),
         ("T2J_AD_FUNCTORCH_FAST", "2", "1"),
@@ -409,3 +410,9 @@ def test_a_nested_output_is_refused_by_name_with_the_fix():
     f = t2j_ad.jaxify(lambda x: torch.nested.nested_tensor([x[0], x[1]]))
     with pytest.raises(RUNTIME_ERRORS, match=r"output is a nested tensor.*\.to_padded_tensor\(0\)"):
         jax.block_until_ready(f(jnp.ones((2, 3))))
+
+
+def test_a_module_on_the_meta_device_is_refused_naming_the_fix():
+    # PyTorch's "Cannot copy out of meta tensor; no data!", naming nothing.
+    with pytest.raises(ValueError, match=r"weight is on the meta device.*to_empty"):
+        t2j_ad.jaxify_module(nn.Linear(3, 2, device="meta"))
