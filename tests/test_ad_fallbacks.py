@@ -687,3 +687,34 @@ def test_a_requires_grad_flag_set_on_an_input_does_not_reach_the_next_run(mode, 
         np.testing.assert_allclose(jax.hessian(jf)(w, x), jax.hessian(reference)(w, x), rtol=1e-12)
         hvp = jax.jvp(jax.grad(lambda w: jf(w, x)), (w,), (v,))[1]
         np.testing.assert_allclose(hvp, jax.jvp(jax.grad(lambda w: reference(w, x)), (w,), (v,))[1], rtol=1e-12)
+
+
+class _OldStyleDouble(torch.autograd.Function):
+    """An old-style Function (no setup_context): torch.func refuses it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+def test_forward_mode_over_the_reverse_fallback_names_that_fallback():
+    # The warning blamed Tensor.requires_grad_(), which the user's code never
+    # calls: t2j_ad's own torch.autograd.grad fallback does.
+    f = t2j_ad.jaxify(lambda x: (_OldStyleDouble.apply(x) ** 3).sum())
+    x = jnp.arange(1.0, 4.0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", FallbackWarning)
+        jax.jit(jax.grad(f))(x)
+        hessian = jax.jit(jax.hessian(f))(x)
+    # As torch.autograd's double backward: the doubling backward on both passes.
+    t = torch.arange(1.0, 4.0, requires_grad=True)
+    (g,) = torch.autograd.grad((_OldStyleDouble.apply(t) ** 3).sum(), t, create_graph=True)
+    expected = torch.stack([torch.autograd.grad(g[i], t, retain_graph=True)[0] for i in range(3)])
+    assert_tree_allclose(hessian, to_numpy(expected), rtol=1e-6)
+    forward = [str(w.message) for w in seen if "forward mode" in str(w.message)]
+    assert forward and all("reverse pass runs on torch.autograd.grad" in m for m in forward)
+    assert not any("requires_grad_" in m for m in forward)

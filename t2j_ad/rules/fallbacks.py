@@ -410,12 +410,19 @@ def forward_mode(
             _refuse_unseen_write(base, err)
             decided[("jvp", key)] = "double_vjp"
             advice = _advice(err, _FORWARD_REFUSALS)
+            # Over a reverse pass that fell back to torch.autograd.grad, the
+            # refusal is of that fallback's requires_grad_(), not of the user's code.
+            why = (
+                "its reverse pass runs on torch.autograd.grad (the reverse-mode fallback), which "
+                "torch.func.jvp cannot go through"
+                if over_reverse and "autograd" in {v for (kind, _), v in decided.items() if kind == "vjp"}
+                else f"torch.func.jvp refused it ({first_line(err)})"
+            )
             warn_once(
                 base,
                 "jvp",
                 f"t2j_ad: forward mode of {base.name!r} falls back to the "
-                f"double-vjp trick because torch.func.jvp refused it "
-                f"({first_line(err)}). Results are exact; it costs two "
+                f"double-vjp trick because {why}. Results are exact; it costs two "
                 f"reverse passes.{advice}",
             )
     if out_tangents is None:
