@@ -547,7 +547,15 @@ def _nondiff_mask(example_args: tuple[Any, ...], nondiff_argnums: Any, nondiff_m
     """One flag per example leaf: True where gradients are zeros."""
     if nondiff_argnums is not None:
         # As in torch2jax, nondiff_argnums names whole arguments and wins over nondiff_mask.
-        argnums = (nondiff_argnums,) if isinstance(nondiff_argnums, int) else tuple(nondiff_argnums)
+        argnums = (nondiff_argnums,) if isinstance(nondiff_argnums, int) else nondiff_argnums
+        if not isinstance(argnums, Sequence) or isinstance(argnums, str) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in argnums
+        ):
+            raise TypeError(
+                f"torch2jax_with_vjp: nondiff_argnums must be an int or a sequence of ints (argument "
+                f"indices), got {nondiff_argnums!r}."
+            )
+        argnums = tuple(argnums)
         bad = [i for i in argnums if not -len(example_args) <= i < len(example_args)]
         if bad:
             raise ValueError(f"nondiff_argnums {bad} out of range for {len(example_args)} example arguments.")
@@ -556,6 +564,12 @@ def _nondiff_mask(example_args: tuple[Any, ...], nondiff_argnums: Any, nondiff_m
     if nondiff_mask is None:
         return None
     flags = jax.tree.leaves(nondiff_mask)
+    not_bools = [f for f in flags if not isinstance(f, (bool, np.bool_))]
+    if not_bools:
+        raise TypeError(
+            f"torch2jax_with_vjp: nondiff_mask must hold bools, one per example array, in a tree like "
+            f"example_args; it holds {not_bools[0]!r} ({type(not_bools[0]).__name__})."
+        )
     n = len(jax.tree.leaves(example_args))
     if len(flags) != n:
         raise ValueError(
@@ -604,6 +618,9 @@ def torch2jax_with_vjp(
             False is ``"sequential"``. Give one of the two.
     """
     del depth, use_zeros  # see the docstring and NOTE [torch2jax compatibility]
+    for name, flag in (("use_torch_vjp", use_torch_vjp), ("use_torch_vmap", use_torch_vmap)):
+        if flag is not None and not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"torch2jax_with_vjp: {name} must be True or False, got {flag!r}.")
     if use_torch_vmap is not None:
         if vmap_method != "sequential":
             raise ValueError(

@@ -687,3 +687,21 @@ def test_torch_vjp_that_cannot_read_data_falls_back():
     x = jnp.linspace(0.0, 1.0, 4, dtype=jnp.float32)
     got = jax.grad(lambda x: jax_fn(x).sum())(x)
     assert_tree_allclose(got, jnp.cos(x))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"nondiff_mask": "no"}, r"nondiff_mask must hold bools.*'no'"),
+        ({"nondiff_argnums": "0"}, r"nondiff_argnums must be an int or a sequence of ints"),
+        ({"nondiff_argnums": 0.0}, r"nondiff_argnums must be an int or a sequence of ints"),
+        ({"use_torch_vjp": "no"}, r"use_torch_vjp must be True or False"),
+        ({"use_torch_vmap": "no"}, r"use_torch_vmap must be True or False"),
+    ],
+)
+def test_torch2jax_with_vjp_refuses_options_of_the_wrong_type(options, message):
+    # A string was a truthy leaf: nondiff_mask='no' made the argument
+    # non-differentiable, use_torch_vjp='no' meant yes.
+    x = jnp.ones(3)
+    with pytest.raises(TypeError, match=message):
+        torch2jax_with_vjp(lambda x: x * 2, x, **options)
