@@ -36,8 +36,8 @@ def _diverge_always(monkeypatch):
 def test_a_graph_that_disagrees_with_eager_is_dropped_with_one_warning(monkeypatch):
     original = graph_mode.trace
 
-    def wrong_trace(fn, inputs, grad_enabled, dicts=()):
-        return original(lambda x: (x * 3,), inputs, grad_enabled, dicts)  # the function doubles
+    def wrong_trace(fn, inputs, grad_enabled, *referenced):
+        return original(lambda x: (x * 3,), inputs, grad_enabled, *referenced)  # the function doubles
 
     monkeypatch.setattr(graph_mode, "trace", wrong_trace)
     _diverge_always(monkeypatch)
@@ -133,7 +133,7 @@ def test_a_checked_first_call_updates_state_once(monkeypatch, graph_is_wrong):
     if graph_is_wrong:
         original = graph_mode.trace
         monkeypatch.setattr(
-            graph_mode, "trace", lambda fn, inputs, grad, dicts=(): original(lambda x: (fn(x)[0] + 1,), inputs, grad, dicts)
+            graph_mode, "trace", lambda fn, inputs, grad, *referenced: original(lambda x: (fn(x)[0] + 1,), inputs, grad, *referenced)
         )
     x = jnp.array([1.0, 2.0])
     eager_state = torch.zeros((), device=TORCH_DEVICE)
