@@ -95,7 +95,7 @@ from .convert import call_device, copy_to_jax, jax_dtype, torch_device, torch_dt
 from .module_modes import refuse_uninitialized
 from .module_structure import ModuleChangedError
 from .held_bindings import release_after_the_call
-from .module_locks import in_lock_order, release
+from .module_locks import acquire, in_lock_order, release
 from .real_writes import forwards_end_here
 
 
@@ -241,8 +241,7 @@ def _holding_locks(slots_now: _SlotsNow) -> Iterator[_TensorSlots]:
     threads]); yields its slots as they are now."""
     while True:
         locks = slots_now.locks
-        for lock in locks:
-            lock.acquire()
+        acquire(locks)
         try:
             slots = slots_now.now()  # rewalked under the module's own lock, if it changed
         except BaseException:

@@ -30,6 +30,12 @@ def in_lock_order(modules: Iterable[torch.nn.Module]) -> tuple[threading.RLock, 
     return tuple(sorted({id(lock): lock for lock in map(lock_of, modules)}.values(), key=id))
 
 
+def acquire(locks: Iterable[threading.RLock]) -> None:
+    """Take ``locks`` in the order given (``in_lock_order``'s)."""
+    for lock in locks:
+        lock.acquire()
+
+
 def release(locks: Iterable[threading.RLock]) -> None:
     """Release ``locks``, taken in order, in reverse order."""
     for lock in reversed(tuple(locks)):

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # private: see the NOTE
 
-from .module_locks import in_lock_order, release
+from .module_locks import acquire, in_lock_order, release
 from .random_state import random_state_kept
 from .state_writes import StateWrites, bound_by_a_replay, memory_of
 from .trial_caches import CachesKept, changed_entries, parametrize_cache, put_back
@@ -504,8 +504,7 @@ def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()
     with _one_trial_run, _in_trial_run():
         under = list(dict.fromkeys(sub for module in modules for sub in module.modules()))
         locks = in_lock_order(m for m in under if m._parameters or m._buffers)
-        for lock in locks:
-            lock.acquire()
+        acquire(locks)
         caches = CachesKept()
         try:
             caches.note([*dicts, parametrize_cache()])

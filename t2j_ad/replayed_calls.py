@@ -398,12 +398,17 @@ def has_side_effects(fun: TorchFn) -> bool:
     return not getattr(fun.base, "replays", False) and bool(effects_now(fun.base))
 
 
+def holds_no_element(fun: TorchFn) -> bool:
+    """Whether no output of ``fun`` holds an element (every one is empty)."""
+    return not any(int(np.prod(a.shape)) for a in fun.out_avals)
+
+
 def kept_by_xla(fun: TorchFn) -> bool:
     """Whether XLA must see a call of ``fun`` as having side effects: when it
     has them, and when no output holds an element. XLA replaces a result of
     no elements by a constant and drops the call, so a function whose
     declared empty output was really another shape never ran to be refused."""
-    return has_side_effects(fun) or not any(int(np.prod(a.shape)) for a in fun.out_avals)
+    return has_side_effects(fun) or holds_no_element(fun)
 
 
 def is_value_call(base: BaseFn) -> bool:

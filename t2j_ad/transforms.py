@@ -284,21 +284,20 @@ def build(fun: TorchFn) -> Callable[..., tuple[Any, ...]]:
     # NOTE [normalizations at second order]: its own chain of callables, from the base up.
     second_order = sum(isinstance(t, (Jvp, Vjp)) for t in fun.transforms) >= 2
     mark = (_SECOND_ORDER,) if second_order else ()
-    built = base.built.get(mark + fun.transforms)
-    if built is not None:
-        # NOTE [bindings held through the reverse pass] in held_bindings.py
-        return held_through_the_call(built) if fun.transforms else built
-    g = with_composite_norms(base.fn, getattr(base, "referenced_modules", ())) if second_order else base.fn
-    prefix: tuple[Transform, ...] = ()
-    for t, (ins, outs) in zip(fun.transforms, stage_avals(fun)):
-        prefix = prefix + (t,)
-        key = mark + prefix
-        cached = base.built.get(key)
-        if cached is None:
-            cached = apply_transform(t, g, ins, outs, base=base, prefix=prefix)
-            with base.lock:
-                base.built[key] = cached
-        g = cached
+    g = base.built.get(mark + fun.transforms)
+    if g is None:
+        g = with_composite_norms(base.fn, getattr(base, "referenced_modules", ())) if second_order else base.fn
+        prefix: tuple[Transform, ...] = ()
+        for t, (ins, outs) in zip(fun.transforms, stage_avals(fun)):
+            prefix = prefix + (t,)
+            key = mark + prefix
+            cached = base.built.get(key)
+            if cached is None:
+                cached = apply_transform(t, g, ins, outs, base=base, prefix=prefix)
+                with base.lock:
+                    base.built[key] = cached
+            g = cached
+    # NOTE [bindings held through the reverse pass] in held_bindings.py
     return held_through_the_call(g) if fun.transforms else g
 
 

@@ -108,7 +108,7 @@ from .._jax_internals import (
 )
 from ..per_shard import entry_axes
 from ..mapped_axes import BatchMap, batch_map
-from ..replayed_calls import has_side_effects
+from ..replayed_calls import has_side_effects, holds_no_element
 from ..torch_fn import BaseFn, TorchFn, Vmap
 
 
@@ -237,7 +237,7 @@ def partitionable(lowering: Callable[..., Sequence[Any]]) -> Callable[..., Seque
 
     def torch_call_partitioned_lowering(ctx: Any, *args: Any, fun: TorchFn) -> Sequence[Any]:
         if partitioned_devices(ctx) > 1:
-            if not has_side_effects(fun) and not any(math.prod(a.shape) for a in fun.out_avals):
+            if not has_side_effects(fun) and holds_no_element(fun):
                 # NOTE [empty results on a mesh]
                 return lower_fun(lambda *xs: [jnp.zeros(a.shape, a.dtype) for a in fun.out_avals])(ctx, *args)
             bm = batch_map(fun)
