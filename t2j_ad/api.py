@@ -188,12 +188,16 @@ class JaxifiedFunction:
         autograd_vjp: bool = False,
         batch_argnums: int | tuple[int, ...] | None = None,
         compile: str | None = None,
+        params_first: bool = False,
     ):
         if not callable(torch_fn):
             raise TypeError(f"jaxify: torch_fn must be callable, got {type(torch_fn).__name__}.")
         if vmap_method not in VMAP_METHODS:
             raise ValueError(f"jaxify: vmap_method must be one of {VMAP_METHODS}, got {vmap_method!r}.")
         self.batch_argnums = check_batch_argnums(batch_argnums)
+        # jaxify_module's forward takes params first; its messages count the
+        # arguments after them, as the user's batch_argnums does.
+        self._argnum_shift = 1 if params_first else 0
         self.torch_fn = torch_fn
         self.vmap_method = vmap_method
         self.compile = resolve_compile_mode(compile, "jaxify")
@@ -393,12 +397,17 @@ class JaxifiedFunction:
         if self.batch_argnums is None:
             return None
         args, _ = jax.tree_util.tree_unflatten(in_tree, range(len(in_avals)))
+        shift = self._argnum_shift
+        declared = tuple(i - shift for i in self.batch_argnums)
+        declared_text = declared[0] if len(declared) == 1 else declared
+        after = " after params" if shift else ""
         mapped = set()
         for i in self.batch_argnums:
             if i >= len(args):
                 raise ValueError(
-                    f"jaxify: batch_argnums names argument {i}, but {self.name} was called with "
-                    f"{len(args)} positional argument(s); pass the batched arguments positionally."
+                    f"jaxify: batch_argnums names argument {i - shift}, but {self.name} was called with "
+                    f"{len(args) - shift} positional argument(s){after}; pass the batched arguments "
+                    f"positionally, counting from 0{after}."
                 )
             # The flat input positions in it (a flag, NOTE [Python bools are flags], has none).
             mapped.update(k for k in jax.tree_util.tree_leaves(args[i]) if type(k) is int)
@@ -406,7 +415,7 @@ class JaxifiedFunction:
         sizes |= {a.shape[0] if a.shape else None for a in out_avals}
         if len(sizes) != 1 or None in sizes:
             raise ValueError(
-                f"jaxify: batch_argnums={self.batch_argnums} declares that {self.name} maps the leading "
+                f"jaxify: batch_argnums={declared_text} declares that {self.name} maps the leading "
                 f"axis of those arguments to the leading axis of every output, but the leading sizes "
                 f"are {sorted(sizes, key=str)} (None: a scalar). Declare only arguments and functions "
                 f"whose every array and output shares one leading batch axis, or leave batch_argnums out."

@@ -471,7 +471,9 @@ def jaxify_module(
     forward.__qualname__ = f"{type(module).__name__}.forward"
     nums = check_batch_argnums(batch_argnums)
     shifted = None if nums is None else tuple(i + 1 for i in nums)  # params come first
-    jaxified = JaxifiedFunction(forward, vmap_method, output_shapes, batch_argnums=shifted, compile=compile)
+    jaxified = JaxifiedFunction(
+        forward, vmap_method, output_shapes, batch_argnums=shifted, compile=compile, params_first=True
+    )
 
     def apply(params: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
         _check_params(params, reference)

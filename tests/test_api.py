@@ -428,6 +428,22 @@ def test_batch_argnums_is_checked():
     assert_tree_allclose(jax.jit(jax.grad(lambda w: h(w, x).sum()))(w), jax.grad(lambda w: jnp.tanh(x @ w).sum())(w))
 
 
+def test_jaxify_module_batch_argnums_messages_count_after_params():
+    # jaxify_module's batch_argnums counts the arguments after params; its
+    # messages named them one further (params counted as argument 0).
+    f, p = t2j_ad.jaxify_module(torch.nn.Linear(3, 2), batch_argnums=1)
+    with pytest.raises(ValueError, match=r"names argument 1, .* called with 1 positional argument\(s\) after params"):
+        f(p, jnp.ones((4, 3)))
+
+    class Pooled(torch.nn.Module):
+        def forward(self, x):
+            return x.sum(0)
+
+    g, q = t2j_ad.jaxify_module(Pooled(), batch_argnums=0)
+    with pytest.raises(ValueError, match=r"batch_argnums=0 declares"):
+        g(q, jnp.ones((4, 3)))
+
+
 def test_jax_export_refuses_a_call_into_this_process():
     # docs/transforms.md: a jaxify'd function cannot be serialized.
     f = t2j_ad.jaxify(lambda x: torch.sin(x))
