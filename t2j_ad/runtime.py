@@ -88,16 +88,19 @@ class InputMutationError(TorchCallError):
 _threads: int | None = None
 
 
+_MOST_THREADS = 2**31 - 1  # torch.set_num_threads takes a C int
+
+
 def torch_threads() -> int:
     global _threads
     if _threads is None:
         env = os.environ.get("T2J_AD_TORCH_THREADS", "").strip()
         if not env:
             _threads = max(1, (os.cpu_count() or 1) // 2)
-        elif not (env.isascii() and env.isdigit()) or int(env) < 1:
+        elif not (env.isascii() and env.isdigit()) or not 1 <= int(env) <= _MOST_THREADS:
             raise ValueError(
-                f"T2J_AD_TORCH_THREADS must be a whole number >= 1 (PyTorch threads "
-                f"inside t2j_ad calls), got {env!r}; unset it for half the cores."
+                f"T2J_AD_TORCH_THREADS must be a whole number from 1 to {_MOST_THREADS} (PyTorch "
+                f"threads inside t2j_ad calls), got {env!r}; unset it for half the cores."
             )
         else:
             _threads = int(env)
@@ -115,13 +118,14 @@ def set_torch_threads(n: int) -> None:
         n: the number of threads, at least 1.
 
     Raises:
-        ValueError: ``n`` is less than 1.
+        ValueError: ``n`` is less than 1, or more than PyTorch's
+            ``set_num_threads`` takes (a C ``int``).
     """
     global _threads
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
         raise TypeError(f"set_torch_threads: n must be an int, got {type(n).__name__} ({n!r}).")
-    if n < 1:
-        raise ValueError(f"set_torch_threads: n must be >= 1, got {n}.")
+    if not 1 <= n <= _MOST_THREADS:
+        raise ValueError(f"set_torch_threads: n must be from 1 to {_MOST_THREADS}, got {n}.")
     _threads = int(n)
 
 

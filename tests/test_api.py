@@ -376,7 +376,7 @@ def test_forward_runs_under_grad_mode_with_controlled_threads():
     finally:
         torch.set_num_threads(callers)
     assert seen == {"grad": True, "threads": 1}
-    with pytest.raises(ValueError, match="n must be >= 1"):
+    with pytest.raises(ValueError, match="n must be from 1 to"):
         t2j_ad.set_torch_threads(0)
 
 

@@ -305,7 +305,9 @@ BAD_INPUTS = [
      ValueError, r"vmap_method must be one of"),
     ("module params value not an array", lambda: _module_apply(lambda p: {**p, "weight": "w"}), TypeError,
      r"params\['weight'\] is a str"),
-    ("set_torch_threads(0)", lambda: t2j_ad.set_torch_threads(0), ValueError, r"set_torch_threads: n must be >= 1, got 0"),
+    ("set_torch_threads(0)", lambda: t2j_ad.set_torch_threads(0), ValueError, r"set_torch_threads: n must be from 1 to 2147483647, got 0"),
+    # Past a C int it failed inside the next call ("Overflow when unpacking long").
+    ("set_torch_threads(10**10)", lambda: t2j_ad.set_torch_threads(10**10), ValueError, r"n must be from 1 to 2147483647, got 10000000000"),
     ("set_torch_threads('two')", lambda: t2j_ad.set_torch_threads("two"), TypeError, r"set_torch_threads: n must be an int, got str"),
     ("set_torch_threads(1.5)", lambda: t2j_ad.set_torch_threads(1.5), TypeError, r"set_torch_threads: n must be an int, got float"),
     ("tree_t2j of a complex32 tensor", lambda: t2j_ad.tree_t2j({"a": torch.ones(2, dtype=torch.complex32)}),
@@ -367,6 +369,7 @@ print("good call ok")
         ("T2J_AD_TORCH_THREADS", "0", "1"),
         ("T2J_AD_TORCH_THREADS", "-2", "1"),
         ("T2J_AD_TORCH_THREADS", "\u00b2", "1"),  # a digit to str.isdigit, not to int()
+        ("T2J_AD_TORCH_THREADS", "99999999999", "1"),  # past torch.set_num_threads's C int
         ("T2J_AD_BACKEND", "cuda", "callback"),
         ("T2J_AD_TUNE_MALLOC", "maybe", "0"),
         ("T2J_AD_FUNCTORCH_FAST", "2", "1"),
