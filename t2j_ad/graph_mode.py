@@ -77,6 +77,7 @@ from .output_buffers import (
     writes_into,
     writing_into_outputs,
 )
+from .public_bindings import through_public_bindings
 from .random_state import SeedWatch, generators_in_use
 from .real_writes import one_trial_run, trial_run
 from .rules.fallbacks import first_line, provisional, warn_once
@@ -183,6 +184,27 @@ def _referenced(base: Any) -> tuple[Sequence[dict[Any, Any]], Sequence[torch.nn.
     return getattr(base, "referenced_dicts", ()), getattr(base, "referenced_modules", ())
 
 
+@contextlib.contextmanager
+def _fake_cache_taken_back() -> Iterator[None]:
+    """Within the block, fake tensors may fill their process-wide dispatch
+    cache; what they add goes when it ends (NOTE [what a trace leaves
+    behind])."""
+    dispatch_cache = FakeTensorMode.cache
+    before = set(dispatch_cache)
+    try:
+        yield
+    finally:
+        for key in [k for k in dispatch_cache if k not in before]:
+            dispatch_cache.pop(key, None)
+
+
+def _rebound(graph: torch.fx.GraphModule) -> int:
+    """``through_public_bindings(graph)``, its fake calls' cache entries taken
+    back; one at a time, as traces (NOTE [one trial run at a time])."""
+    with one_trial_run(), _fake_cache_taken_back(), _fake_tensor_log_quiet():
+        return through_public_bindings(graph)
+
+
 def trace(
     fn: Flat,
     inputs: Sequence[torch.Tensor],
@@ -216,14 +238,9 @@ def trace(
     # keyed by each function's constants. Both grew without bound over fresh
     # functions (benchmarks/bench_registry_memory.py --compile graph): trace
     # in a throwaway context, and take back the cache entries the trace added.
-    dispatch_cache = FakeTensorMode.cache
-    before = set(dispatch_cache)
-    try:
-        with _fake_tensor_log_quiet(), dispatch_keys_kept():  # NOTE [a failed trace's dispatch keys]
-            graph = contextvars.copy_context().run(run)
-    finally:
-        for key in [k for k in dispatch_cache if k not in before]:
-            dispatch_cache.pop(key, None)
+    # NOTE [a failed trace's dispatch keys]
+    with _fake_cache_taken_back(), _fake_tensor_log_quiet(), dispatch_keys_kept():
+        graph = contextvars.copy_context().run(run)
     # Drop what no output needs: the primal work a derivative discards, and
     # the shape checks of PyTorch's ZeroTensor fallback (meta-device copies,
     # which fail if replayed). Random ops count as impure, so the graph draws
@@ -306,6 +323,7 @@ def _build_artifact(
     if dropped is not None:
         return Artifact(None, dropped, traced=True), first
     checked = time.perf_counter()
+    replayed = mode == "graph"  # the traced graph replays: its ops move to public bindings below
     artifact = Artifact(graph.forward)
     if mode == "inductor":
         try:
@@ -329,7 +347,9 @@ def _build_artifact(
             artifact = Artifact(graph.forward)
             mode = "graph"
     if mode != "inductor" and writes_into(graph, inputs, out_specs):
-        _replay_in_place(artifact, graph, out_specs)
+        _replay_in_place(artifact, graph, out_specs, rebind=replayed)
+    if replayed and _rebound(graph):  # NOTE [graph ops through the public bindings]
+        artifact.run = graph.forward
     artifact.trace_seconds = traced - start
     artifact.compile_seconds = time.perf_counter() - checked if mode == "inductor" else 0.0
     if inputs and inputs[0].is_cuda:
@@ -368,16 +388,22 @@ def _compile(
     artifact.into_strides = row_major_strides(out_specs)
 
 
-def _replay_in_place(artifact: Artifact, graph: torch.fx.GraphModule, out_specs: OutSpecs) -> None:
+def _replay_in_place(
+    artifact: Artifact, graph: torch.fx.GraphModule, out_specs: OutSpecs, rebind: bool
+) -> None:
     """Give ``artifact`` a replay of ``graph`` whose ops write results into
     the output buffers, where it has such ops (NOTE [results written into
-    XLA's buffers]); a replay that would only copy into them gains nothing."""
+    XLA's buffers]); a replay that would only copy into them gains nothing.
+    ``rebind``: its ops move to public bindings (NOTE [graph ops through
+    the public bindings])."""
     into = writing_into_outputs(graph)
     if into is None:
         return
     if not computing_outputs_in_place(into):
         forget_sources([source_key(into)])
         return
+    if rebind:
+        _rebound(into)
 
     def run_into(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         into(*inputs, *outputs)
