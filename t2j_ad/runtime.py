@@ -21,6 +21,8 @@ from . import graph_mode
 from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, on_another_device, torch_dtype
 from .cuda_streams import external_stream, run_on_stream
 from .malloc_tuning import tune_malloc
+from .kept_inputs import references as kept_inputs_references
+from .kept_inputs import release_kept_inputs
 from .module_modes import ModuleModes, modes_hold
 from .real_writes import one_trial_run, outside_trial_runs, trial_running
 from .replayed_calls import (
@@ -359,6 +361,7 @@ class _Runner:
             # Until one run shows the function leaves its inputs alone, hand
             # it copies, so a mutating function cannot change the caller's arrays.
             inputs = [t.clone() for t in inputs]
+        held = kept_inputs_references(inputs) if checked else None  # NOTE [inputs kept past a call]
         threads = _get_num_threads()
         if threads != n:
             _set_num_threads(n)  # NOTE [torch threads]: for this call only, put back below
@@ -442,6 +445,9 @@ class _Runner:
             _set_grad_enabled(previous)
             if threads != n:
                 _set_num_threads(threads)
+            if held is not None:
+                results = t = None  # may view or be an input: the call's own, not kept
+                release_kept_inputs(inputs, held)
 
     def _serialized(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         # NOTE [forward AD is process-wide]; a call about to trace takes the

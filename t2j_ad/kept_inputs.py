@@ -1,0 +1,77 @@
+"""Inputs a PyTorch function keeps past its call, moved to memory of their own.
+
+NOTE [inputs kept past a call]
+A call's inputs are XLA's buffers, seen by PyTorch without a copy, and XLA
+owns them only for the call: after it, XLA frees them, or reuses them for
+its next values (the carry of a ``lax.scan``'s next step, the next call's
+input). PyTorch code may keep an input, or a view of one, past the call: a
+streaming module's ``self.prev = x``, a forward hook that saves activations,
+``kept.append(x[1:])``, an autograd graph that saved ``x``. That tensor then
+read whatever XLA wrote there next (a streaming difference came out 0 in
+every step of a scan), and a write through it changed another JAX array, a
+jitted program's constant, or freed heap memory (glibc aborted the process).
+In PyTorch the kept tensor would hold the value it had.
+
+So at the end of each call the runner looks at how many tensors share each
+input's storage (the input itself, and nothing else once the call has
+dropped its results) and how many references the input has (as many as
+before the call). More means something kept the input or a view of it.
+That storage is then moved, in place, to memory of its own holding the
+same bytes (``UntypedStorage._swap_data_ptr_``, which CUDA graph trees use
+for the same purpose), so every tensor that views it, wherever it is kept,
+reads what it read during the call, and writes to it stay PyTorch's; XLA's
+buffer goes back to XLA with the call. It costs a look (0.3 us an input on
+a CPU) per call, and a copy of an input only where one was kept.
+
+Calls that run on copies of their inputs (a function's first call, until
+it shows it leaves its inputs alone) need no look: the copies are PyTorch's.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+
+# Private, as CUDA graph trees use them: how many tensors (and storage
+# objects) hold a storage, and a storage's memory swapped with another's.
+_use_count = torch._C._storage_Use_Count
+_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+# The input tensor itself, and the storage object made to look at it.
+_CALLS_OWN = 2
+_refcount = sys.getrefcount
+
+
+def references(inputs: Sequence[torch.Tensor]) -> list[int]:
+    """How many references each input has now, before the call: the same
+    tensor kept (``self.prev = x``) shows as one more after it."""
+    return [_refcount(tensor) for tensor in inputs]
+
+
+def release_kept_inputs(inputs: Sequence[torch.Tensor], before: Sequence[int]) -> int:
+    """Move each input's storage that something other than the call still
+    holds (the tensor itself, past ``before``'s count, or a view of it) to
+    memory of its own (NOTE [inputs kept past a call]); how many moved."""
+    moved = 0
+    for i in range(len(before)):  # no zip: its reused tuple would hold an input
+        tensor = inputs[i]
+        storage = tensor.untyped_storage()
+        if (_use_count(storage._cdata) > _CALLS_OWN or _refcount(tensor) > before[i]) and storage.nbytes():
+            _to_own_memory(storage)
+            moved += 1
+    return moved
+
+
+def _to_own_memory(storage: torch.UntypedStorage) -> None:
+    if not _CAN_SWAP:
+        raise RuntimeError(
+            "t2j_ad: the PyTorch function kept one of its inputs (or a view of one) past the call, and "
+            f"this PyTorch ({torch.__version__}) cannot move it to memory of its own; XLA reuses that "
+            "buffer after the call. Keep a copy instead (x.clone()), or use a PyTorch with "
+            "UntypedStorage._swap_data_ptr_."
+        )
+    own = torch.UntypedStorage(storage.nbytes(), device=storage.device)
+    own.copy_(storage)
+    storage._swap_data_ptr_(own)  # ``own`` now holds XLA's buffer, and lets it go here
