@@ -749,3 +749,21 @@ def test_tree_t2j_warns_where_x64_off_narrows_a_leaf():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         t2j_ad.tree_t2j({"small": torch.ones(2)})  # no warning for 32-bit leaves
+
+
+def test_a_callable_that_is_falsy_is_still_called():
+    # The runner picked its call path by the function's truth value: an
+    # empty nn.Sequential (len 0) ran the wrapper's flat path instead and
+    # "returned a tuple of 1"; torch.compile's wrapper of a Linear failed
+    # with "Linear does not support len()". Found by the seventh fuzzing pass.
+    class Falsy(torch.nn.Module):
+        def __len__(self) -> int:
+            return 0
+
+        def forward(self, x):
+            return x * 2 + 1
+
+    x = jnp.linspace(-1.0, 1.0, 3)
+    assert_tree_allclose(t2j_ad.jaxify(torch.nn.Sequential())(x), x)
+    assert_tree_allclose(t2j_ad.jaxify(Falsy())(x), x * 2 + 1)
+    assert_tree_allclose(jax.grad(lambda x: t2j_ad.jaxify(Falsy())(x).sum())(x), jnp.full(3, 2.0))
