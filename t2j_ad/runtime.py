@@ -362,6 +362,7 @@ class _Runner:
         if not checked:
             # Until one run shows the function leaves its inputs alone, hand
             # it copies, so a mutating function cannot change the caller's arrays.
+            originals = inputs
             inputs = [t.clone() for t in inputs]
         held = kept_inputs_references(inputs) if checked else None  # NOTE [inputs kept past a call]
         threads = _get_num_threads()
@@ -399,6 +400,7 @@ class _Runner:
                 # so this call shows nothing; unchecked, it had copies.
                 versioned = False
             if not checked and versioned:
+                self._refuse_unseen_writes(originals, inputs)  # NOTE [writes the version counter misses]
                 self.base.mutation_checked = True
             if results is _WRITTEN:
                 return
@@ -645,6 +647,29 @@ class _Runner:
         for out, buffer in zip(outputs, buffers):
             out.copy_(buffer)  # XLA's buffers are inference tensors: written inside inference mode
 
+    def _refuse_unseen_writes(self, originals: Sequence[torch.Tensor], copies: Sequence[torch.Tensor]) -> None:
+        """NOTE [writes the version counter misses]
+        PyTorch counts an in-place write on the tensor's version, and the
+        check above reads it; a few writes go past it: ``batch_norm`` in
+        training mode writing its running statistics (an input passed as
+        ``running_mean``, as a functional batch-norm step does with
+        ``functional_call(model, {**params, **batch_stats}, x)``), writes
+        through ``.data`` or ``untyped_storage()``. Such a write changed the
+        caller's immutable JAX arrays from the second call on, and jitted
+        programs' constants with them. The first call runs on copies, so its
+        copies are compared with the inputs, bit for bit, once: a write
+        there is refused as any other, and the function keeps running on
+        copies (a write made only on some later call stays unseen, as
+        docs/transforms.md says)."""
+        written = [i for i, (a, b) in enumerate(zip(originals, copies)) if not _same_bits(a, b)]
+        if written:
+            names = getattr(self.base, "in_names", None) if not self.transforms else None
+            where = (
+                " without PyTorch's version counter seeing it (batch_norm's running statistics in "
+                "training mode, .data, untyped_storage())"
+            )
+            raise InputMutationError(mutation_message(self.name, written, names, where))
+
     def _refuse_mutation(self, inputs: Sequence[torch.Tensor]) -> None:
         mutated = [i for i, t in enumerate(inputs) if t._version]
         names = getattr(self.base, "in_names", None) if not self.transforms else None
@@ -667,6 +692,13 @@ def integer_scalars_hint(in_names: Sequence[str], in_avals: Sequence[Any]) -> st
         f"traces: keep it in the PyTorch function (t2j_ad.jaxify(functools.partial(fn, n=8)); for a module, "
         f"a forward that passes it) instead of passing it through JAX."
     )
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape and dtype hold the same bytes (NaNs alike)."""
+    if not a.numel():
+        return True
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 def mutation_message(name: str, mutated: Sequence[int], names: Sequence[str] | None = None, where: str = "") -> str:

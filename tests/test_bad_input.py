@@ -97,6 +97,38 @@ def test_in_place_mutation_is_refused_at_inference():
     np.testing.assert_array_equal(np.asarray(x), [0.0, 1.0, 2.0])
 
 
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_write_the_version_counter_misses_is_refused_and_arrays_keep_values(compile):
+    """NOTE [writes the version counter misses]: batch_norm in training mode
+    writes its running statistics without a version bump, so running_mean
+    passed as an input changed the caller's JAX array from the second call
+    on (and a jitted program's results with it). Found by the seventh
+    fuzzing pass."""
+
+    def step(x, running_mean, running_var):
+        return torch.nn.functional.batch_norm(x, running_mean, running_var, training=True, momentum=0.5)
+
+    f = t2j_ad.jaxify(step, compile=compile)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 3)), jnp.float32)
+    mean, var = jnp.zeros(3), jnp.ones(3)
+    for call in (f, f, jax.jit(f), jax.jit(f)):
+        with pytest.raises(RUNTIME_ERRORS, match=r"args\[1\], args\[2\] in place without PyTorch's version counter"):
+            jax.block_until_ready(call(x, mean, var))
+        np.testing.assert_array_equal(np.asarray(mean), np.zeros(3, np.float32))
+        np.testing.assert_array_equal(np.asarray(var), np.ones(3, np.float32))
+
+    def storage_write(x):
+        x.untyped_storage().fill_(0)
+        return x * 2
+
+    g = t2j_ad.jaxify(storage_write, output_shapes=jax.ShapeDtypeStruct((3,), jnp.float32))
+    y = jnp.arange(1.0, 4.0)
+    for _ in range(2):
+        with pytest.raises(RUNTIME_ERRORS, match="version counter"):
+            jax.block_until_ready(g(y))
+    np.testing.assert_array_equal(np.asarray(y), [1.0, 2.0, 3.0])
+
+
 @pytest.mark.parametrize("use_jit", [False, True])
 def test_in_place_mutation_is_refused_at_run_time_and_arrays_keep_values(use_jit):
     # output_shapes skips inference, so the run-time guard must catch it.
