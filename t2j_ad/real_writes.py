@@ -234,6 +234,9 @@ class ModuleAttributesKept:
             if isinstance(value, torch.Tensor)
         }
         self.rebound: list[str] = []
+        # Plain attributes the run changed and that were put back, as
+        # ``Class.name`` (NOTE [Python state in trial runs]).
+        self.python_state: list[str] = []
         # Each rebinding as (module, name, the tensor bound before): state
         # the function keeps (NOTE [derivatives do not write again]).
         self.rebound_state: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
@@ -295,6 +298,7 @@ class ModuleAttributesKept:
                     if not (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):
                         if table is module.__dict__:
                             put_back(table, name, old)  # NOTE [Python state in trial runs]
+                            self.python_state.append(f"{type(module).__name__}.{name}")
                         continue
                     if new is not None and self._found.get((id(module), k, name)) is new:
                         continue  # as the run found it: put back by whatever bound around the forward
@@ -349,6 +353,8 @@ class ModuleAttributesKept:
                     put_back(table, name, old)
                     if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
                         self.rebound.append(f"{type(module).__name__}.{name}")
+                    else:
+                        self.python_state.append(f"{type(module).__name__}.{name}")
 
 
 # NOTE [Python state in trial runs]
@@ -363,9 +369,12 @@ class ModuleAttributesKept:
 # when that forward ends, as its tensors are; and what the run changed in
 # the modules the function refers to, outside any forward (rotary
 # embeddings' cache is filled by a method, ``rotate_queries_or_keys``), is
-# put back when the run ends. A plain attribute put back is not counted as
-# a rebinding: a graph replays none of the forward's Python, and the values
-# it computes depend on its tensors alone.
+# put back when the run ends. A trace that changed such an attribute is
+# refused (``trace_refusals.refuse_python_state``): a graph replays none of
+# the forward's Python, so it would keep the branch the trace took on the
+# state as found (a data-dependent init guarded by ``self.initialized``
+# re-initialized the parameters on every replay), where eager calls see
+# the state the first call left.
 
 
 # NOTE [forwards a KeyboardInterrupt ends]
@@ -412,6 +421,11 @@ class TrialRun:
     def rebound(self) -> list[str]:
         """Each attribute rebound, as ``Class.name``."""
         return self._attributes.rebound
+
+    @property
+    def python_state(self) -> list[str]:
+        """Each plain attribute changed and put back, as ``Class.name``."""
+        return self._attributes.python_state
 
     def state_written(self) -> StateWrites:
         """The state the run updated: tensors kept between calls written in

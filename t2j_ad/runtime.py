@@ -364,6 +364,8 @@ class _Runner:
             # it copies, so a mutating function cannot change the caller's arrays.
             originals = inputs
             inputs = [t.clone() for t in inputs]
+            # The copies' memory, whatever ``.data =`` rebinds the copies to.
+            copied = [t.detach() for t in inputs]
         held = kept_inputs_references(inputs) if checked else None  # NOTE [inputs kept past a call]
         threads = _get_num_threads()
         if threads != n:
@@ -400,7 +402,7 @@ class _Runner:
                 # so this call shows nothing; unchecked, it had copies.
                 versioned = False
             if not checked and versioned:
-                self._refuse_unseen_writes(originals, inputs)  # NOTE [writes the version counter misses]
+                self._refuse_unseen_writes(originals, copied)  # NOTE [writes the version counter misses]
                 self.base.mutation_checked = True
             if results is _WRITTEN:
                 return
@@ -661,6 +663,8 @@ class _Runner:
         there is refused as any other, and the function keeps running on
         copies (a write made only on some later call stays unseen, as
         docs/transforms.md says)."""
+        # ``copies``: aliases of the copies' memory, so a tensor rebound
+        # through ``.data =`` (its memory left alone) is no write.
         written = [i for i, (a, b) in enumerate(zip(originals, copies)) if not _same_bits(a, b)]
         if written:
             names = getattr(self.base, "in_names", None) if not self.transforms else None

@@ -86,6 +86,18 @@ def refuse_rebound_attributes(rebound: Sequence[str]) -> None:
         )
 
 
+def refuse_python_state(changed: Sequence[str]) -> None:
+    """Raise ``NotTraceable`` if the trace changed plain module attributes
+    (NOTE [Python state in trial runs]): a graph replays none of that Python."""
+    if changed:
+        names = ", ".join(dict.fromkeys(changed))
+        raise NotTraceable(
+            f"a module's forward changes Python state ({names}), which a graph's replay would not: the graph "
+            f"would keep the branch the trace took on the state as it was (a one-time init guarded by a flag "
+            f"would run on every call); keep such state in a buffer updated in place to keep the graph"
+        )
+
+
 _aten = torch.ops.aten
 # Ops that hand a tensor's value to Python.
 _VALUE_READS = frozenset({_aten._local_scalar_dense.default, _aten.item.default, _aten.equal.default})
