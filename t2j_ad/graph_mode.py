@@ -507,6 +507,10 @@ def artifacts(base: Any) -> list[Artifact]:
     return list(base.__dict__.get("graphs", {}).values())
 
 
+# Words in a trace's failure that say it read a tensor's value into Python.
+_VALUE_READ_WORDS = ("data-dependent", "data dependent", "datadependent", "item", "numpy", "value", "scalar")
+
+
 def announce_fallback(base: Any, name: str, mode: str, transforms: tuple[Any, ...], artifact: Artifact) -> None:
     """One ``FallbackWarning`` per function and transform stack, saying why
     ``artifact`` runs eagerly."""
@@ -516,8 +520,11 @@ def announce_fallback(base: Any, name: str, mode: str, transforms: tuple[Any, ..
         advice = "."
     else:
         what = f"could not trace {name!r}"
+        reads_values = any(word in artifact.reason.lower() for word in _VALUE_READ_WORDS)
         advice = (
             ", or keep tensor values out of Python control flow (no .item(), NumPy or `if tensor`) to trace it."
+            if reads_values
+            else "."  # seeding, a rebinding, a nested torch.compile: the reason says what to do
         )
     warn_once(
         base,
