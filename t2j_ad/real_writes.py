@@ -191,7 +191,10 @@ def _elements_of(value: Any) -> tuple[torch.Tensor, Any] | None:
     if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
         return None
     with _disable_current_modes():  # a trace's fake mode would make the alias fake
-        alias = value.data
+        try:
+            alias = value.data
+        except RuntimeError:  # a torch.vmap-batched tensor (params under jax.vmap): none to swap
+            return None
     at = memory_of(alias)
     return None if at is None else (alias, at)
 

@@ -617,3 +617,22 @@ def test_a_backward_that_runs_the_module_again_sees_the_parameters_given(make, m
     assert_tree_allclose(value, to_numpy(twin(to_torch(x)).detach()), rtol=1e-5, atol=1e-6)
     # After the calls, plain and derivative, the module holds its own parameters again.
     assert all(p is q for p, q in zip(module.parameters(), own))
+
+
+def test_graph_mode_batches_a_vmap_over_params_as_eager_does():
+    # An ensemble: jax.vmap over stacked params. The trace's own bookkeeping
+    # read .data of a torch.vmap-batched parameter, so graph mode fell back
+    # to a sequential loop, with a warning blaming the module. Found by the
+    # seventh fuzzing pass.
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1)).to(TORCH_DEVICE)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
+    per_model = {}
+    for mode in ("eager", "graph"):
+        apply, params = t2j_ad.jaxify_module(module, compile=mode)
+        stacked = jax.tree_util.tree_map(lambda p: jnp.stack([p * (k + 1) for k in range(6)]), params)
+        loss = lambda p: (apply(p, x) ** 2).sum()  # noqa: E731
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", t2j_ad.FallbackWarning)
+            per_model[mode] = jax.jit(jax.vmap(jax.grad(loss)))(stacked)
+    assert_tree_allclose(per_model["graph"], per_model["eager"], rtol=1e-5, atol=1e-6)
