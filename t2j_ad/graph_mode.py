@@ -84,8 +84,7 @@ from .rules.fallbacks import first_line, provisional, warn_once
 from .trace_check import FirstRunNotUndone, WrittenConstants, checked_first_run, compiled_disagreement
 from .tangent_zeros import fold_tangent_zeros, plain_tangent_zeros
 from .trace_refusals import (
-    refuse_python_state,
-    refuse_rebound_attributes,
+    refuse_module_side_effects,
     refuse_scalar_reads,
     refusing_closed_over_reads,
     refusing_reseeding,
@@ -230,8 +229,7 @@ def trace(
             seeds = SeedWatch(generators_in_use())
             refusing = refusing_reseeding(refusing_closed_over_reads(fn), seeds)
             graph = make_fx(refusing, _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
-        refuse_rebound_attributes(attributes.rebound)
-        refuse_python_state(attributes.python_state)
+        refuse_module_side_effects(attributes.rebound, attributes.python_state)
         return graph
 
     # NOTE [what a trace leaves behind]: make_fx sets a fresh, uniquely named

@@ -34,7 +34,7 @@ and any of them rebound is put back when that ``forward`` ends, returned or
 raised: inside whatever bound tensors in around the call (jaxify_module's
 parameters), which then puts its own back. A graph cannot replay a
 rebinding, which is Python, so a trace that made one is refused
-(``trace_refusals.refuse_rebound_attributes``). A binding the function makes
+(``trace_refusals.refuse_module_side_effects``). A binding the function makes
 before any module it reaches runs (a plain function assigning
 ``model.ema = ...``) is Python state of its own, read once per trace. Each
 rebinding is also state the function keeps (``rebound_state``), which its
@@ -373,7 +373,7 @@ class ModuleAttributesKept:
 # the modules the function refers to, outside any forward (rotary
 # embeddings' cache is filled by a method, ``rotate_queries_or_keys``), is
 # put back when the run ends. A trace that changed such an attribute is
-# refused (``trace_refusals.refuse_python_state``): a graph replays none of
+# refused (``trace_refusals.refuse_module_side_effects``): a graph replays none of
 # the forward's Python, so it would keep the branch the trace took on the
 # state as found (a data-dependent init guarded by ``self.initialized``
 # re-initialized the parameters on every replay), where eager calls see

@@ -74,28 +74,27 @@ def refuse_scalar_reads(graph: torch.fx.GraphModule) -> None:
             )
 
 
-def refuse_rebound_attributes(rebound: Sequence[str]) -> None:
+def refuse_module_side_effects(rebound: Sequence[str], python_state: Sequence[str]) -> None:
     """Raise ``NotTraceable`` if the trace rebound module attributes (NOTE
-    [trial runs do not write to real tensors]): a graph cannot replay that."""
+    [trial runs do not write to real tensors]) or changed plain ones (NOTE
+    [Python state in trial runs]): a graph replays none of that Python."""
     if rebound:
         names = ", ".join(dict.fromkeys(rebound))
-        raise NotTraceable(
-            f"a module's forward binds a new tensor to {names}, a Python side effect the graph cannot replay; "
-            f"update the tensor in place instead (self.ema.mul_(0.9).add_(x, alpha=0.1)) to keep the graph, "
-            f"and use torch.nn.utils.parametrizations for weight or spectral norm"
+        what = f"binds a new tensor to {names}, a Python side effect the graph cannot replay"
+        fix = (
+            "update the tensor in place instead (self.ema.mul_(0.9).add_(x, alpha=0.1)) to keep the graph, "
+            "and use torch.nn.utils.parametrizations for weight or spectral norm"
         )
-
-
-def refuse_python_state(changed: Sequence[str]) -> None:
-    """Raise ``NotTraceable`` if the trace changed plain module attributes
-    (NOTE [Python state in trial runs]): a graph replays none of that Python."""
-    if changed:
-        names = ", ".join(dict.fromkeys(changed))
-        raise NotTraceable(
-            f"a module's forward changes Python state ({names}), which a graph's replay would not: the graph "
-            f"would keep the branch the trace took on the state as it was (a one-time init guarded by a flag "
-            f"would run on every call); keep such state in a buffer updated in place to keep the graph"
+    elif python_state:
+        what = (
+            f"changes Python state ({', '.join(dict.fromkeys(python_state))}), which a graph's replay would not: "
+            f"the graph would keep the branch the trace took on the state as it was (a one-time init guarded by "
+            f"a flag would run on every call)"
         )
+        fix = "keep such state in a buffer updated in place to keep the graph"
+    else:
+        return
+    raise NotTraceable(f"a module's forward {what}; {fix}")
 
 
 _aten = torch.ops.aten
