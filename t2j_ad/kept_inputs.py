@@ -20,8 +20,8 @@ That storage is then moved, in place, to memory of its own holding the
 same bytes (``UntypedStorage._swap_data_ptr_``, which CUDA graph trees use
 for the same purpose), so every tensor that views it, wherever it is kept,
 reads what it read during the call, and writes to it stay PyTorch's; XLA's
-buffer goes back to XLA with the call. It costs a look (0.3 us an input on
-a CPU) per call, and a copy of an input only where one was kept.
+buffer goes back to XLA with the call. It costs a look (about 1 us a call
+with one input on a CPU), and a copy of an input only where one was kept.
 
 Calls that run on copies of their inputs (a function's first call, until
 it shows it leaves its inputs alone) need no look: the copies are PyTorch's.
@@ -35,12 +35,15 @@ from collections.abc import Sequence
 import torch
 
 # Private, as CUDA graph trees use them: how many tensors (and storage
-# objects) hold a storage, and a storage's memory swapped with another's.
+# objects) hold a storage, named by its address (read without making a
+# storage object: that doubled the look's cost), and a storage's memory
+# swapped with another's.
 _use_count = torch._C._storage_Use_Count
+_storage_address = torch._C._storage_address
 _CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
-# The input tensor itself, and the storage object made to look at it.
-_CALLS_OWN = 2
+# The input tensor itself.
+_CALLS_OWN = 1
 _refcount = sys.getrefcount
 
 
@@ -57,10 +60,11 @@ def release_kept_inputs(inputs: Sequence[torch.Tensor], before: Sequence[int]) -
     moved = 0
     for i in range(len(before)):  # no zip: its reused tuple would hold an input
         tensor = inputs[i]
-        storage = tensor.untyped_storage()
-        if (_use_count(storage._cdata) > _CALLS_OWN or _refcount(tensor) > before[i]) and storage.nbytes():
-            _to_own_memory(storage)
-            moved += 1
+        if _refcount(tensor) > before[i] or _use_count(_storage_address(tensor)) > _CALLS_OWN:
+            storage = tensor.untyped_storage()
+            if storage.nbytes():
+                _to_own_memory(storage)
+                moved += 1
     return moved
 
 
