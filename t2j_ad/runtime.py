@@ -20,9 +20,9 @@ import torch
 from . import graph_mode
 from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, on_another_device, torch_dtype
 from .cuda_streams import external_stream, run_on_stream
-from .malloc_tuning import tune_malloc
 from .kept_inputs import references as kept_inputs_references
 from .kept_inputs import release_kept_inputs
+from .malloc_tuning import tune_malloc
 from .module_modes import ModuleModes, modes_hold
 from .real_writes import one_trial_run, outside_trial_runs, trial_running
 from .replayed_calls import (
