@@ -102,8 +102,8 @@ def main() -> None:
         calls, grad_calls = contenders()
         values = time_calls(calls, repeats=args.repeats)
         grads = time_calls(grad_calls, repeats=args.repeats)
-        sections.append((f"Plain calls, PyTorch threads: {n}", markdown_table(values, "t2j_ad") + "\n\n" + _summary(values)))
-        sections.append((f"`jax.grad`, PyTorch threads: {n}", markdown_table(grads, "t2j_ad") + "\n\n" + _summary(grads)))
+        for heading, timings in ((f"Plain calls, PyTorch threads: {n}", values), (f"`jax.grad`, PyTorch threads: {n}", grads)):
+            sections.append((heading, markdown_table(timings, "t2j_ad") + "\n\n" + _summary(timings)))
     command = "python benchmarks/bench_graph_replay.py --threads " + " ".join(map(str, args.threads))
     print_report(f"Graph replay of small ops: {BLOCKS} residual blocks, batch {BATCH} x {WIDTH}", command, sections)
 
