@@ -102,7 +102,8 @@ def main() -> None:
         calls, grad_calls = contenders()
         values = time_calls(calls, repeats=args.repeats)
         grads = time_calls(grad_calls, repeats=args.repeats)
-        for heading, timings in ((f"Plain calls, PyTorch threads: {n}", values), (f"`jax.grad`, PyTorch threads: {n}", grads)):
+        tables = ((f"Plain calls, PyTorch threads: {n}", values), (f"`jax.grad`, PyTorch threads: {n}", grads))
+        for heading, timings in tables:
             sections.append((heading, markdown_table(timings, "t2j_ad") + "\n\n" + _summary(timings)))
     command = "python benchmarks/bench_graph_replay.py --threads " + " ".join(map(str, args.threads))
     print_report(f"Graph replay of small ops: {BLOCKS} residual blocks, batch {BATCH} x {WIDTH}", command, sections)
