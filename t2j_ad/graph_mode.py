@@ -505,8 +505,11 @@ def artifacts(base: Any) -> list[Artifact]:
     return list(base.__dict__.get("graphs", {}).values())
 
 
-# Words in a trace's failure that say it read a tensor's value into Python.
-_VALUE_READ_WORDS = ("data-dependent", "data dependent", "datadependent", "item", "numpy", "value", "scalar")
+# Words in a trace's failure that say it read a tensor's value into Python
+# (a FakeTensor where Python wanted a number: a size taken from a value).
+_VALUE_READ_WORDS = (
+    "data-dependent", "data dependent", "datadependent", "item", "numpy", "value", "scalar", "faketensor"
+)
 
 
 def announce_fallback(base: Any, name: str, mode: str, transforms: tuple[Any, ...], artifact: Artifact) -> None:
