@@ -20,8 +20,9 @@ That storage is then moved, in place, to memory of its own holding the
 same bytes (``UntypedStorage._swap_data_ptr_``, which CUDA graph trees use
 for the same purpose), so every tensor that views it, wherever it is kept,
 reads what it read during the call, and writes to it stay PyTorch's; XLA's
-buffer goes back to XLA with the call. It costs a look (about 1 us a call
-with one input on a CPU), and a copy of an input only where one was kept.
+buffer goes back to XLA with the call. It costs a look (about 2 us a call
+with one input on a CPU, BENCHMARKS.md), and a copy of an input only
+where one was kept.
 
 Calls that run on copies of their inputs (a function's first call, until
 it shows it leaves its inputs alone) need no look: the copies are PyTorch's.

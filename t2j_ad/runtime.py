@@ -269,9 +269,9 @@ class _Runner:
         # traces and replaces it (NOTE [graph mode] in graph_mode.py).
         direct = fun.base.direct if not fun.transforms and self.compile == "eager" else None
         self.direct_single = direct is not None and fun.base.direct_single
-        if direct is None:  # not ``direct or``: a module may be falsy (an empty nn.Sequential)
-            direct = self._first_compiled_call if self.compile != "eager" else self.impl
-        self.call = direct
+        otherwise = self._first_compiled_call if self.compile != "eager" else self.impl
+        # Not ``direct or``: a module may be falsy (an empty nn.Sequential).
+        self.call = direct if direct is not None else otherwise
         self.cuda_graph = None  # cuda_graphs.CudaGraphCall, set by the first call
         # call_into(inputs, outputs): a compiled graph writing XLA's output
         # buffers itself, set by the first call where there is one (NOTE
