@@ -21,6 +21,7 @@ from . import graph_mode
 from .graph_mode import resolve_compile_mode
 from . import replayed_calls
 from .inference import infer_outputs
+from .held_layouts import referenced_tensors
 from .module_modes import referenced_modules
 from .module_structure import StructureSeen
 from .primitive import torch_call
@@ -385,6 +386,8 @@ class JaxifiedFunction:
             find_effects=None if effects is None else _effects_finder(raw, in_avals, self.name, call_on, modules, dicts),
         )
         base.referenced_modules = modules  # type: ignore[attr-defined]
+        if self.compile != "eager":  # NOTE [the layouts a graph assumed]
+            base.referenced_tensors = referenced_tensors(self.torch_fn)  # type: ignore[attr-defined]
         base.structure = structure  # type: ignore[attr-defined]
         base.referenced_dicts = dicts  # type: ignore[attr-defined]
         base.in_names = in_names  # type: ignore[attr-defined]

@@ -29,6 +29,10 @@ once and recorded again by each call: a wait queued on a stream holds to the
 record before it, whatever is recorded later.
 A function that cannot be captured (an op that synchronizes with the host)
 keeps running the aten graph itself, without a CUDA graph, with one warning.
+So does one whose held tensors (what it closes over) moved to other memory
+since the capture (``w.data = w - lr * g``): the capture fixed their old
+addresses, and a replay would read memory they no longer own; the aten
+graph reads them where they are (NOTE [the layouts a graph assumed]).
 """
 
 from __future__ import annotations
@@ -45,15 +49,26 @@ from .rules.fallbacks import FallbackWarning, first_line
 Flat = Callable[..., tuple[torch.Tensor, ...]]
 
 _one_capture = threading.Lock()
+_address = torch.Tensor.data_ptr
 
 
 class CudaGraphCall:
     """``run`` (a graph replay or an inductor kernel) as one CUDA graph."""
 
-    def __init__(self, run: Flat, name: str, new_event: Callable[[], Any] = torch.cuda.Event):
-        """``new_event``: makes the event that orders calls on different streams."""
+    def __init__(
+        self,
+        run: Flat,
+        name: str,
+        new_event: Callable[[], Any] = torch.cuda.Event,
+        held: Sequence[torch.Tensor] = (),
+    ):
+        """``new_event``: makes the event that orders calls on different
+        streams; ``held``: the tensors ``run`` holds (its constants), whose
+        addresses the capture fixes."""
         self.run = run
         self.name = name
+        self.held = tuple(held)
+        self.addresses: list[int] = []  # the held tensors' at capture
         self.lock = threading.Lock()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.failed = False
@@ -107,10 +122,13 @@ class CudaGraphCall:
         return results
 
     def _refused(self, err: Exception) -> None:
+        self._give_up(f"could not be captured as a CUDA graph ({first_line(err)})")
+
+    def _give_up(self, why: str) -> None:
         self.failed = True
+        self.graph = None
         warnings.warn(
-            f"t2j_ad: the graph of {self.name!r} could not be captured as a CUDA graph "
-            f"({first_line(err)}); it runs as a plain aten graph on XLA's stream instead.",
+            f"t2j_ad: the graph of {self.name!r} {why}; it runs as a plain aten graph on XLA's stream instead.",
             FallbackWarning,
             stacklevel=4,
         )
@@ -125,7 +143,15 @@ class CudaGraphCall:
         if self.failed:
             return None
         if self.graph is None:
-            return self._first_call(inputs)
+            results = self._first_call(inputs)
+            self.addresses = list(map(_address, self.held))
+            return results
+        if self.held and list(map(_address, self.held)) != self.addresses:
+            self._give_up(
+                "holds a tensor that moved to other memory since its CUDA graph was captured (as `.data =` "
+                "moves one), which the capture would read at its old address"
+            )
+            return None
         if self.done_on is not None and self.done_on is not stream:
             stream.wait_event(self.done)
         for static, t in zip(self.static_inputs, inputs):

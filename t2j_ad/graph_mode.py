@@ -69,6 +69,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # private: NOTE [what 
 
 from .functorch_levels import dispatch_keys_kept
 from .fx_sources import forget_sources, recompile, source_key
+from .held_layouts import HeldLayouts
 from .module_modes import ModuleModes, modes_hold, recording_module_modes
 from .output_buffers import (
     OutSpecs,
@@ -81,7 +82,13 @@ from .public_bindings import through_public_bindings
 from .random_state import SeedWatch, generators_in_use
 from .real_writes import one_trial_run, trial_run
 from .rules.fallbacks import first_line, provisional, warn_once
-from .trace_check import FirstRunNotUndone, WrittenConstants, checked_first_run, compiled_disagreement
+from .trace_check import (
+    FirstRunNotUndone,
+    WrittenConstants,
+    checked_first_run,
+    compiled_disagreement,
+    graph_constants,
+)
 from .tangent_zeros import fold_tangent_zeros, plain_tangent_zeros
 from .trace_refusals import (
     refuse_module_side_effects,
@@ -278,7 +285,16 @@ class Artifact:
     their training flags: a callable, or eager with a reason."""
 
     __slots__ = (
-        "run", "run_into", "into_strides", "reason", "traced", "cuda_graph", "trace_seconds", "compile_seconds", "modes"
+        "run",
+        "run_into",
+        "into_strides",
+        "reason",
+        "traced",
+        "cuda_graph",
+        "trace_seconds",
+        "compile_seconds",
+        "modes",
+        "layouts",
     )
 
     def __init__(self, run: Flat | None, reason: str | None = None, traced: bool = False):
@@ -294,6 +310,13 @@ class Artifact:
         self.trace_seconds = 0.0
         self.compile_seconds = 0.0
         self.modes: ModuleModes = ()  # NOTE [a graph per training mode]
+        self.layouts: HeldLayouts | None = None  # NOTE [the layouts a graph assumed]
+
+    def holds(self) -> bool:
+        """Whether what the graph assumed beyond its inputs still holds: the
+        training flags of the modules it ran, the layouts of the tensors it
+        holds."""
+        return modes_hold(self.modes) and (self.layouts is None or self.layouts.hold())
 
 
 def _build_artifact(
@@ -313,6 +336,8 @@ def _build_artifact(
     except Exception as err:  # noqa: BLE001 - any failure: run eagerly (NOTE [graph mode])
         return Artifact(None, _reason(err)), None
     traced = time.perf_counter()
+    # NOTE [the layouts a graph assumed]: as the trace saw them.
+    layouts = HeldLayouts([*graph_constants(graph), *getattr(base, "referenced_tensors", ())])
     constants = WrittenConstants(graph) if mode == "inductor" else None
     try:
         first, dropped = checked_first_run(impl, graph, inputs, grad_enabled)  # NOTE [checking a trace against eager]
@@ -350,12 +375,13 @@ def _build_artifact(
         _replay_in_place(artifact, graph, out_specs, rebind=replayed)
     if replayed and _rebound(graph):  # NOTE [graph ops through the public bindings]
         artifact.run = graph.forward
+    artifact.layouts = layouts if len(layouts) else None
     artifact.trace_seconds = traced - start
     artifact.compile_seconds = time.perf_counter() - checked if mode == "inductor" else 0.0
     if inputs and inputs[0].is_cuda:
         from .cuda_graphs import CudaGraphCall
 
-        artifact.cuda_graph = CudaGraphCall(artifact.run, base.name)
+        artifact.cuda_graph = CudaGraphCall(artifact.run, base.name, held=graph_constants(graph))
     return artifact, first
 
 
@@ -493,9 +519,10 @@ def record_eager(base: Any, transforms: tuple[Any, ...], reason: str) -> None:
 
 def _holding(cache: dict[Any, Artifact], where: tuple[Any, Any]) -> Artifact | None:
     """The artifact cached for ``where`` (transforms, device) whose modules
-    have the training flags they were traced with, if any."""
+    have the training flags they were traced with, and whose held tensors
+    their layouts, if any."""
     for key, artifact in list(cache.items()):
-        if key[:2] == where and modes_hold(artifact.modes):
+        if key[:2] == where and artifact.holds():
             return artifact
     return None
 

@@ -23,7 +23,6 @@ from .cuda_streams import external_stream, run_on_stream
 from .kept_inputs import references as kept_inputs_references
 from .kept_inputs import release_kept_inputs
 from .malloc_tuning import tune_malloc
-from .module_modes import ModuleModes, modes_hold
 from .real_writes import one_trial_run, outside_trial_runs, trial_running
 from .replayed_calls import (
     GeneratorAround,
@@ -299,9 +298,11 @@ class _Runner:
         # effects before it, which only orders the two (NOTE [calls with
         # effects under jax.jit]); it is dropped on the way in.
         self.n_in = len(fun.in_avals)
-        # The modules the graph in use ran, with their training flags when it
-        # was traced (NOTE [a graph per training mode]); () when there is none.
-        self.modes: ModuleModes = ()
+        # The graph in use, while it assumes something beyond its inputs: the
+        # training flags of the modules it ran (NOTE [a graph per training
+        # mode]), the layouts of the tensors it holds (NOTE [the layouts a
+        # graph assumed]); None when there is none.
+        self.assumed: graph_mode.Artifact | None = None
         # Outputs on another device than the call's are refused by name. On a
         # CPU-only PyTorch the only other device is meta, which copy_ refuses
         # anyway, so only a CUDA build pays for comparing devices per output.
@@ -352,7 +353,7 @@ class _Runner:
         if stream:
             self._on_stream(inputs, outputs, stream)
             return
-        if self.modes and not modes_hold(self.modes):
+        if self.assumed is not None and not self.assumed.holds():
             self._forget_graph()
         if self.forward_ad and not getattr(_forward_ad_held, "held", False):
             self._serialized(inputs, outputs)
@@ -485,7 +486,7 @@ class _Runner:
     def _on_current_stream(
         self, target: torch.cuda.Stream, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
     ) -> None:
-        if self.modes and not modes_hold(self.modes):
+        if self.assumed is not None and not self.assumed.holds():
             self._forget_graph()
         # A replay reads copies of the inputs, so the eager check must first
         # have seen the function leave them alone (NOTE [CUDA graph replay]).
@@ -504,7 +505,7 @@ class _Runner:
         artifact, first = graph_mode.artifact_for(
             self.compile, self.impl, self.base, self.transforms, inputs, self._untraced[0], out_specs
         )
-        self.modes = artifact.modes
+        self.assumed = artifact if artifact.modes or artifact.layouts is not None else None
         if artifact.run is None:
             # Eager, announced only once the eager call has worked: a function
             # that fails eagerly too raises its own error, no warning. A graph
@@ -539,10 +540,11 @@ class _Runner:
 
     def _forget_graph(self) -> None:
         """Back to before the first call: a module the graph in use ran has
-        changed its training flag, so the next call finds, or traces, the
-        graph for the flags as they are now (NOTE [a graph per training mode])."""
+        changed its training flag, or a tensor it holds its layout, so the
+        next call finds, or traces, the graph for them as they are now (NOTE
+        [a graph per training mode], NOTE [the layouts a graph assumed])."""
         self.grad_enabled, self.forward_ad = self._untraced  # before call: a thread seeing one sees both
-        self.modes = ()
+        self.assumed = None
         self.cuda_graph = None
         self.call_into = self.into_artifact = None
         self.call = self._first_compiled_call

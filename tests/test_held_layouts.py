@@ -1,0 +1,207 @@
+"""A graph is used only while the tensors it holds keep the layouts it was
+traced with (NOTE [the layouts a graph assumed]): held against the same
+function called eagerly and against ``jax.numpy``."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
+
+import t2j_ad
+from t2j_ad import graph_mode
+from t2j_ad.cuda_graphs import CudaGraphCall
+from t2j_ad.held_layouts import HeldLayouts, referenced_tensors
+from t2j_ad.rules.fallbacks import FallbackWarning
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """How many traces ran during the test."""
+    seen: list[int] = []
+    original = graph_mode.trace
+
+    def counting(fn, inputs, grad_enabled, *referenced):
+        seen.append(len(inputs))
+        return original(fn, inputs, grad_enabled, *referenced)
+
+    monkeypatch.setattr(graph_mode, "trace", counting)
+    return seen
+
+
+def _both_modes(fn):
+    return {mode: jax.jit(t2j_ad.jaxify(fn, compile=mode)) for mode in ("eager", "graph")}
+
+
+def test_a_size_read_from_a_resized_parameter_is_read_again(traces):
+    # The graph kept x * 4 after w.data = ones(2): eager gives x * 2.
+    w = torch.nn.Parameter(torch.ones(4, device=TORCH_DEVICE))
+
+    def f(x):
+        return x * w.shape[0]
+
+    calls = _both_modes(f)
+    x = jnp.arange(3.0)
+    for size in (4, 2, 2, 5):
+        w.data = torch.ones(size, device=TORCH_DEVICE)
+        for call in calls.values():
+            assert_tree_allclose(call(x), x * size)
+    assert len(traces) == 3  # one per size the graph met, the repeated 2 replayed
+
+
+def test_a_resized_tensor_the_graph_holds_is_traced_again():
+    # b is a graph constant: its new size reached b.sum() but not the size
+    # the graph had read from it.
+    b = torch.ones(4, device=TORCH_DEVICE)
+
+    def f(x):
+        return x * b.numel() + b.sum()
+
+    calls = _both_modes(f)
+    x = jnp.arange(3.0)
+    for size in (4, 6):
+        b.data = torch.ones(size, device=TORCH_DEVICE)
+        expected = x * size + size
+        for call in calls.values():
+            assert_tree_allclose(call(x), expected)
+
+
+def test_gradients_follow_a_resized_parameter():
+    w = torch.nn.Parameter(torch.arange(1.0, 5.0, device=TORCH_DEVICE))
+
+    def loss(x):
+        return (x[: w.shape[0]] * w).sum() * w.shape[0]
+
+    grads = {mode: jax.jit(jax.grad(call)) for mode, call in _both_modes(loss).items()}
+    x = jnp.arange(6.0)
+    for values in (torch.arange(1.0, 5.0), torch.arange(1.0, 3.0)):
+        w.data = values.to(TORCH_DEVICE)
+        n = values.shape[0]
+        expected = jnp.zeros(6).at[:n].set(jnp.asarray(values.numpy()) * n)
+        for grad in grads.values():
+            assert_tree_allclose(grad(x), expected)
+
+
+def test_a_transposed_parameter_traces_again_instead_of_failing_a_view():
+    # The graph's reshape was a view of a contiguous weight; a transposed
+    # weight failed it ("view size is not compatible").
+    w = torch.nn.Parameter(torch.arange(6.0, device=TORCH_DEVICE).reshape(2, 3))
+
+    def f(x):
+        return x * w.reshape(-1).sum() + w.reshape(-1)[:3].sum()
+
+    calls = _both_modes(f)
+    x = jnp.ones(2)
+    for weight in (torch.arange(6.0).reshape(2, 3), torch.arange(6.0).reshape(3, 2).T):
+        w.data = weight.to(TORCH_DEVICE)
+        expected = x * float(weight.sum()) + float(weight.reshape(-1)[:3].sum())
+        for call in calls.values():
+            assert_tree_allclose(call(x), expected)
+
+
+def test_a_new_value_of_the_same_layout_keeps_the_graph(traces):
+    # A hand-written SGD step on a closed-over parameter: no trace per step.
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3, device=TORCH_DEVICE, dtype=torch.float64))
+    with jax.enable_x64(True):
+        loss = jax.jit(jax.value_and_grad(t2j_ad.jaxify(lambda x: ((x * w) ** 2).sum(), compile="graph")))
+        x = jnp.arange(1.0, 4.0, dtype=jnp.float64)
+        for _ in range(4):
+            value, _ = loss(x)
+            (reference,) = torch.autograd.grad(((to_torch(x) * w) ** 2).sum(), w)
+            expected = float(((to_numpy(w) * np.asarray(x)) ** 2).sum())
+            np.testing.assert_allclose(float(value), expected, rtol=1e-12)
+            w.data = w.data - 0.1 * reference
+    assert len(traces) == 2  # the value, and its derivative: each once
+
+
+def test_held_layouts_see_size_stride_offset_and_dtype():
+    base = torch.zeros(12)
+    t = base[:6]
+    held = HeldLayouts([t, t])  # one tensor, looked at once
+    assert len(held) == 1 and held.hold()
+    t.data = torch.zeros(6)  # same layout, other memory
+    assert held.hold()
+    for change in (
+        lambda: torch.zeros(5),
+        lambda: torch.zeros(12)[::2],
+        lambda: torch.zeros(7)[1:],
+        lambda: torch.zeros(6, dtype=torch.float64),
+    ):
+        t.data = change()
+        assert not held.hold()
+        t.data = torch.zeros(6)
+        assert held.hold()
+
+
+def test_held_layouts_skip_tensors_without_strides():
+    sparse = torch.eye(3).to_sparse()
+    held = HeldLayouts([sparse, torch.ones(2)])
+    assert len(held) == 1 and held.hold()
+
+
+def test_referenced_tensors_are_those_the_function_names():
+    w = torch.ones(2)
+    table = {"b": torch.zeros(3)}
+    module = torch.nn.Linear(2, 2)
+
+    def f(x):
+        return module(x) * w + table["b"].sum()
+
+    found = referenced_tensors(f)
+    assert {id(t) for t in found} == {id(w), id(table["b"])}  # a module's own tensors: not its layouts' business
+
+
+class _ReplayOnCpu(CudaGraphCall):
+    """Captures nothing: a "graph" whose replay runs the function from static
+    inputs into static outputs, as a CUDA graph replay does."""
+
+    def _first_call(self, inputs):
+        self.static_inputs = [torch.empty_like(t) for t in inputs]
+        results = tuple(self.run(*inputs))
+        self.static_outputs = tuple(torch.empty_like(out) for out in results)
+        call = self
+
+        class Graph:
+            def replay(self) -> None:
+                for static, out in zip(call.static_outputs, call.run(*call.static_inputs)):
+                    static.copy_(out)
+
+        self.graph = Graph()
+        return results
+
+
+class _Stream:
+    def wait_event(self, event) -> None:
+        pass
+
+
+class _Event:
+    def record(self, stream) -> None:
+        pass
+
+
+def test_a_cuda_graph_whose_held_tensor_moved_is_no_longer_replayed():
+    # The capture fixed w's address; after w.data = ... a replay would read
+    # the memory w no longer owns, so the call runs the aten graph instead.
+    w = torch.ones(3)
+    call = _ReplayOnCpu(lambda x: (x * w,), "f", new_event=_Event, held=[w])
+    stream = _Stream()
+    x = torch.arange(3.0)
+    assert torch.equal(call(stream, x)[0], x)  # the first call's own run
+    call.finished(stream)
+    w.add_(1.0)  # in place: the same memory, replayed
+    assert torch.equal(call(stream, x)[0], 2 * x)
+    call.finished(stream)
+    w.data = torch.full((3,), 5.0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert call(stream, x) is None
+        assert call(stream, x) is None  # once given up, for good, warned once
+    messages = [str(r.message) for r in record if issubclass(r.category, FallbackWarning)]
+    assert len(messages) == 1 and "moved to other memory" in messages[0]
