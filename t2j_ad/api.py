@@ -24,6 +24,7 @@ from .inference import infer_outputs
 from .held_layouts import referenced_tensors
 from .module_modes import referenced_modules
 from .module_structure import StructureSeen
+from .named_bindings import BindingsSeen
 from .primitive import torch_call
 from .rules.partitioning import local_bases
 from .pytrees import flags_kept  # also: PyTorch's result tuples as pytrees (NOTE [PyTorch's result tuples])
@@ -296,7 +297,9 @@ class JaxifiedFunction:
         flat = self._flat_fn(raw)
         # Their training flags count too (NOTE [a graph per training mode]).
         modules = referenced_modules(self.torch_fn)
-        structure = StructureSeen(modules)  # before the runs below, which may register (lazy modules)
+        # Before the runs below, which may register (lazy modules). NOTE [a
+        # name rebound after a call]
+        structure = StructureSeen(modules, BindingsSeen(self.torch_fn))
         dicts = dicts_named_by(self.torch_fn, modules)  # NOTE [trial runs leave caches as they found them]
         in_names = _input_names(in_tree, len(in_avals))
         if self.output_shapes is not None:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch.nn.modules.module as _module_hooks  # public: torch.nn.modules.module.register_module_*_hook
 
+from .named_bindings import BindingsSeen
+
 # How many submodules, parameters and buffers have been registered on any
 # module since import; read without a lock (a stale read only costs a walk).
 _registered = [0]
@@ -59,24 +61,33 @@ class ModuleChangedError(TypeError):
 
 
 class StructureSeen:
-    """The structure of ``modules`` now; ``holds()`` says whether it still is."""
+    """The structure of ``modules`` now, and what the names ``bindings``
+    remembers hold (NOTE [a name rebound after a call] in named_bindings.py);
+    ``holds()`` says whether both still are as they were."""
 
-    __slots__ = ("_modules", "_registered", "_structure")
+    __slots__ = ("_modules", "_registered", "_structure", "_bindings")
 
-    def __init__(self, modules: Sequence[Any]) -> None:
+    def __init__(self, modules: Sequence[Any], bindings: BindingsSeen | None = None) -> None:
         self._modules = tuple(modules)
         self._registered = _registered[0]
-        self._structure = self.now()
+        self._structure = _structure(self._modules)
+        self._bindings = bindings if bindings else None
 
     def now(self) -> tuple[Any, ...]:
-        """The structure of the modules as it is now."""
-        return _structure(self._modules)
+        """The structure of the modules, and what the names hold, as they are now."""
+        return _structure(self._modules), () if self._bindings is None else self._bindings.now()
+
+    def watches_names(self) -> bool:
+        """Whether it remembers what some name the function reads holds."""
+        return self._bindings is not None
 
     def holds(self) -> bool:
+        if self._bindings is not None and not self._bindings.hold():
+            return False
         registered = _registered[0]
         if registered == self._registered or not self._modules:
             return True
-        if self.now() != self._structure:
+        if _structure(self._modules) != self._structure:
             return False
         self._registered = registered  # something else was registered: nothing to walk next time
         return True

@@ -20,50 +20,76 @@ _DEPTH = 2
 _LIBRARIES = ("torch", "jax", "numpy", "t2j_ad", "builtins", "math", "functools", "typing")
 
 
-def reachable(fn: Callable[..., Any], wanted: Callable[[Any], bool], stop: tuple[type, ...] = ()) -> list[Any]:
+# How ``bindings`` names the value a closure cell holds.
+CELL = object()
+
+
+def reachable(
+    fn: Callable[..., Any],
+    wanted: Callable[[Any], bool],
+    stop: tuple[type, ...] = (),
+    bindings: list[tuple[Any, Any, Any]] | None = None,
+) -> list[Any]:
     """The objects ``wanted`` accepts among those ``fn`` reaches: itself, a
     bound method's ``self`` (and what it holds as attributes), what its code
     names from its closure, globals or default arguments (and what it names
     in a module it names, but PyTorch's and the like), a
     ``functools.partial``'s function and arguments, and the entries of a
     dict, list or tuple among those (``models["encoder"]``); each once, up
-    to two steps from ``fn``, not looking into an object of a ``stop`` type."""
+    to two steps from ``fn``, not looking into an object of a ``stop`` type.
+    ``bindings``, if given, gets ``(holder, key, value)`` for each name
+    followed on the way (a global, a closure cell, keyed ``CELL``, an entry
+    of a dict or list, an attribute) that holds a wanted object, or one on
+    the way to one, or a function of the user's: what rebinding that name
+    would change (NOTE [a name rebound after a call] in named_bindings.py)."""
     found: dict[int, Any] = {}
 
-    def visit(obj: Any, depth: int) -> None:
+    def follow(holder: Any, key: Any, value: Any, depth: int) -> bool:
+        leads = visit(value, depth)
+        if bindings is not None and (leads or _users_function(value)):
+            bindings.append((holder, key, value))
+        return leads
+
+    def visit(obj: Any, depth: int) -> bool:
+        """Whether ``obj`` is wanted or leads to a wanted object."""
         if wanted(obj):
             found.setdefault(id(obj), obj)
-            return
+            return True
         if depth > _DEPTH or isinstance(obj, stop):
-            return
+            return False
+        leads = False
         if isinstance(obj, (dict, list, tuple)):
             if len(obj) <= _CONTAINER_ENTRIES:
-                for value in obj.values() if isinstance(obj, dict) else obj:
-                    visit(value, depth + 1)
-            return
+                for key, value in obj.items() if isinstance(obj, dict) else enumerate(obj):
+                    leads |= follow(obj, key, value, depth + 1)
+            return leads
         if isinstance(obj, functools.partial):
             for inner in (obj.func, *obj.args, *obj.keywords.values()):
-                visit(inner, depth + 1)
-            return
+                leads |= visit(inner, depth + 1)
+            return leads
         owner = getattr(obj, "__self__", None)
         if owner is not None and not isinstance(owner, (type, types.ModuleType)):
-            visit(owner, depth + 1)
+            leads |= visit(owner, depth + 1)
         code_of = getattr(obj, "__func__", obj)
         if inspect.isfunction(code_of):
             try:
                 names = inspect.getclosurevars(code_of)
             except (TypeError, ValueError):  # nothing to learn from this one
-                return
-            defaults = (*(code_of.__defaults__ or ()), *(code_of.__kwdefaults__ or {}).values())
-            for value in (*names.nonlocals.values(), *names.globals.values(), *defaults):
-                visit(value, depth + 1)
+                return leads
+            cells = dict(zip(code_of.__code__.co_freevars, code_of.__closure__ or ()))
+            for name, value in names.nonlocals.items():
+                leads |= follow(cells.get(name), CELL, value, depth + 1)
+            for name, value in names.globals.items():
+                leads |= follow(code_of.__globals__, name, value, depth + 1)
+            for value in (*(code_of.__defaults__ or ()), *(code_of.__kwdefaults__ or {}).values()):
+                leads |= visit(value, depth + 1)
             for value in (*names.nonlocals.values(), *names.globals.values()):
                 if isinstance(value, types.ModuleType) and not value.__name__.startswith(_LIBRARIES):
                     # mystore.param(...): what the code names in a module it names
                     # (Pyro's pyro.param and its param store)
                     for name in code_of.__code__.co_names:
                         if name in vars(value):
-                            visit(vars(value)[name], depth + 1)
+                            leads |= follow(vars(value), name, vars(value)[name], depth + 1)
         elif (
             depth
             and not callable(obj)
@@ -71,7 +97,15 @@ def reachable(fn: Callable[..., Any], wanted: Callable[[Any], bool], stop: tuple
             and type(getattr(obj, "__dict__", None)) is dict
             and not type(obj).__module__.startswith(_OWN)  # jaxify_module's own state, say
         ):
-            visit(obj.__dict__, depth + 1)  # a plain object's attributes
+            leads |= visit(obj.__dict__, depth + 1)  # a plain object's attributes
+        return leads
 
     visit(fn, 0)
     return list(found.values())
+
+
+def _users_function(value: Any) -> bool:
+    """Whether ``value`` is a Python function (or a method of one) from the
+    user's code, not PyTorch's, JAX's or the like."""
+    code_of = getattr(value, "__func__", value)
+    return inspect.isfunction(code_of) and not (code_of.__module__ or "").startswith(_LIBRARIES)

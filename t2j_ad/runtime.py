@@ -796,7 +796,8 @@ class _RunnerWithEffects(_Runner):
         if self.checks_flags and not effects_now(self.base).same_as(traced_for(self.base)):
             raise TorchCallError(
                 f"{self.name}: the modules it runs changed training mode (module.train() or .eval()), or "
-                f"had a submodule replaced, since jax.jit traced it, and now the function draws random "
+                f"had a submodule replaced, since jax.jit traced it (or a name it reads now holds another "
+                f"module or function: model = ..., a helper defined again), and now the function draws random "
                 f"numbers or updates state it keeps other than it did, which its derivatives would draw or "
                 f"update a second time. Trace again after such a change: jax.clear_caches(), or a new "
                 f"jax.jit of it."
@@ -839,7 +840,11 @@ def _effect_duties(fun: TorchFn) -> tuple[bool, bool, bool]:
     base, effects = fun.base, fun.base.effects
     derivative = any(not isinstance(t, Vmap) for t in fun.transforms)
     variant = base.call_effects is not None  # a keeping or replaying call
-    checks_flags = bool(effects is not None and effects.modes) and (derivative or variant)
+    # NOTE [a name rebound after a call]: a function that runs no module may
+    # name a helper that is defined again.
+    structure = getattr(base, "structure", None)
+    watched = bool(effects is not None and (effects.modes or (structure is not None and structure.watches_names())))
+    checks_flags = watched and (derivative or variant)
     # Its draws must not fall between a value call's read of the generator
     # and the value's own draws, nor within a replay (on another thread); a
     # trial run, which puts the generator back, must not fall within its own.

@@ -1,0 +1,78 @@
+"""Whether the names a function reads still hold the modules and functions
+they held when its signature was resolved.
+
+NOTE [a name rebound after a call]
+What a function does besides computing its outputs (its draws and state
+writes: NOTE [derivatives replay the value's draws] in replayed_calls.py) is
+learnt once per input signature, and NOTE [a submodule replaced after a
+call] sees a submodule swapped inside a module. A notebook rebinds the name
+instead: ``model = nn.Dropout(0.5)`` in a later cell, where the function
+``lambda x: (model(x) ** 2).sum()`` had met an ``nn.Identity``, or a helper
+``def noise(x)`` defined again to draw. The function reads the new object on
+its next call, but its signature kept the old one's effects:
+``jax.value_and_grad`` took the gradient through another dropout mask than
+the value's, and a new ``BatchNorm`` updated its statistics twice per step,
+silently.
+
+So a resolved signature also remembers what each name on the way from the
+function to a module held: a global, a closure variable, an entry of a dict
+or list, an attribute of a plain object (as far as ``references.reachable``
+looks), and every name that holds a function of the user's. A call that
+finds one rebound resolves the signature again, as after a submodule swap.
+A name that holds a number, an array or a tensor is not remembered:
+rebinding those is what a loop does (``step += 1``), and changes no
+effect. The look costs one lookup per remembered name per call (most
+functions have one or two).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .references import CELL, reachable
+
+_GONE = object()
+
+
+def _held(holder: Any, key: Any) -> Any:
+    """What ``holder`` holds under ``key`` now (``_GONE`` if nothing)."""
+    if key is CELL:
+        try:
+            return holder.cell_contents
+        except ValueError:  # an empty cell
+            return _GONE
+    try:
+        return holder[key]
+    except (KeyError, IndexError, TypeError):
+        return _GONE
+
+
+class BindingsSeen:
+    """The names on the way from a function to the modules it refers to, and
+    those that hold its helper functions, with what each holds now;
+    ``hold()``: whether each still holds the same object."""
+
+    __slots__ = ("_bindings",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        bindings: list[tuple[Any, Any, Any]] = []
+        reachable(fn, lambda obj: isinstance(obj, torch.nn.Module), bindings=bindings)
+        unique = {(id(holder), key if type(key) in (str, int) else id(key)): (holder, key, value)
+                  for holder, key, value in bindings}
+        self._bindings = tuple(unique.values())
+
+    def __len__(self) -> int:
+        return len(self._bindings)
+
+    def hold(self) -> bool:
+        for holder, key, value in self._bindings:
+            if _held(holder, key) is not value:
+                return False
+        return True
+
+    def now(self) -> tuple[int, ...]:
+        """Which objects the names hold now, by identity."""
+        return tuple(id(_held(holder, key)) for holder, key, _ in self._bindings)

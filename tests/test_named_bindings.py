@@ -1,0 +1,167 @@
+"""A name the function reads, bound to another module or function after its
+signature was resolved (NOTE [a name rebound after a call]): held against
+``torch.func`` on the same draws and PyTorch's own batch-norm updates."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+import torch.func
+from conftest import TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
+
+import t2j_ad
+from t2j_ad import api
+from t2j_ad.named_bindings import BindingsSeen
+
+pytestmark = pytest.mark.usefixtures("x64")
+
+model = torch.nn.Identity()
+models = {"encoder": torch.nn.Identity()}
+
+
+def noise(x):
+    return x
+
+
+def _square_sum(fn):
+    return lambda x: (fn(x) ** 2).sum()
+
+
+def _against_torch_func(f, reference, x, seed=0):
+    """``jax.value_and_grad(f)`` against ``torch.func.grad_and_value`` of
+    ``reference``, both from ``seed``: the same mask in value and gradient."""
+    torch.manual_seed(seed)
+    value, grad = jax.value_and_grad(f)(x)
+    torch.manual_seed(seed)
+    expected_grad, expected_value = torch.func.grad_and_value(reference)(to_torch(x))
+    assert_tree_allclose((value, grad), (to_numpy(expected_value), to_numpy(expected_grad)))
+
+
+@pytest.fixture
+def rebound():
+    """Put the module-level names back after the test."""
+    global model, noise
+    saved = model, dict(models), noise
+    yield
+    model, noise = saved[0], saved[2]
+    models.clear()
+    models.update(saved[1])
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_global_module_rebound_to_dropout_draws_one_mask_for_value_and_gradient(mode, rebound):
+    global model
+    model = torch.nn.Identity()
+    f = t2j_ad.jaxify(lambda x: (model(x) ** 2).sum(), compile=mode)
+    x = jnp.arange(1.0, 9.0)
+    assert_tree_allclose(jax.grad(f)(x), 2 * x)
+    model = torch.nn.Dropout(0.5).to(TORCH_DEVICE)  # the next cell
+    _against_torch_func(f, lambda t: (model(t) ** 2).sum(), x)
+
+
+def test_a_helper_defined_again_to_draw_draws_one_mask(rebound):
+    global noise
+
+    def noise(x):  # noqa: F811 - as a notebook cell defines it
+        return x
+
+    f = t2j_ad.jaxify(lambda x: (noise(x) ** 2).sum())
+    x = jnp.arange(1.0, 9.0)
+    assert_tree_allclose(jax.grad(f)(x), 2 * x)
+
+    def noise(x):  # noqa: F811 - the cell run again, edited
+        return torch.nn.functional.dropout(x, 0.5)
+
+    _against_torch_func(f, lambda t: (noise(t) ** 2).sum(), x)
+
+
+def test_an_entry_of_a_dict_and_a_closure_variable_rebound_are_seen(rebound):
+    f = t2j_ad.jaxify(lambda x: (models["encoder"](x) ** 2).sum())
+    inner = torch.nn.Identity()
+
+    def make():
+        def loss(x):
+            return (inner(x) ** 2).sum()
+
+        return loss
+
+    g = t2j_ad.jaxify(make())
+    x = jnp.arange(1.0, 9.0)
+    for h in (f, g):
+        assert_tree_allclose(jax.grad(h)(x), 2 * x)
+    models["encoder"] = torch.nn.Dropout(0.5).to(TORCH_DEVICE)
+    _against_torch_func(f, lambda t: (models["encoder"](t) ** 2).sum(), x)
+    inner = torch.nn.Dropout(0.5).to(TORCH_DEVICE)  # noqa: F841 - the closure reads it
+    _against_torch_func(g, lambda t: (inner(t) ** 2).sum(), x, seed=1)
+
+
+def test_a_global_rebound_to_a_batch_norm_updates_its_statistics_once_per_call(rebound):
+    global model
+    model = torch.nn.Identity()
+    f = t2j_ad.jaxify(lambda x: (model(x) ** 2).sum())
+    x = jnp.arange(12.0).reshape(4, 3)
+    jax.grad(f)(x)
+    model = torch.nn.BatchNorm1d(3, dtype=torch.float64).to(TORCH_DEVICE)
+    twin = torch.nn.BatchNorm1d(3, dtype=torch.float64).to(TORCH_DEVICE)
+    for _ in range(2):
+        t = to_torch(x).requires_grad_()
+        (expected,) = torch.autograd.grad((twin(t) ** 2).sum(), t)
+        assert_tree_allclose(jax.grad(f)(x), to_numpy(expected), atol=1e-9)
+    assert int(model.num_batches_tracked) == int(twin.num_batches_tracked) == 2
+    assert_tree_allclose(to_numpy(model.running_mean), to_numpy(twin.running_mean))
+
+
+def test_a_rebound_number_does_not_resolve_again(monkeypatch):
+    resolved = []
+    original = api.JaxifiedFunction._resolve
+
+    def counting(self, *args):
+        resolved.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(api.JaxifiedFunction, "_resolve", counting)
+    scale = 1.0
+    f = t2j_ad.jaxify(lambda x: x * scale)
+    for k in range(4):
+        scale = float(k)
+        assert float(f(jnp.ones(()))) == k
+    assert len(resolved) == 1
+
+
+def test_under_jit_a_rebinding_that_changes_the_draws_is_refused_until_traced_again(rebound):
+    global noise
+    f = jax.jit(jax.value_and_grad(t2j_ad.jaxify(lambda x: (noise(x) ** 2).sum())))
+    x = jnp.arange(1.0, 9.0)
+    assert_tree_allclose(f(x)[1], 2 * x)
+
+    def noise(x):  # noqa: F811 - defined again to draw
+        return torch.nn.functional.dropout(x, 0.5)
+
+    with pytest.raises(Exception, match="a name it reads now holds another module or function"):
+        f(x)
+    g = t2j_ad.jaxify(lambda x: (noise(x) ** 2).sum())
+    _against_torch_func(jax.jit(g), lambda t: (noise(t) ** 2).sum(), x)
+
+
+def test_bindings_seen_are_the_names_on_the_way_to_modules_and_helpers(rebound):
+    count = 3
+    weights = torch.ones(2)
+
+    def f(x):
+        return model(x) * count + noise(x) * weights + models["encoder"](x) + torch.sin(x)
+
+    seen = BindingsSeen(f)
+    assert len(seen) == 4  # model, noise, models, models["encoder"]: not count, weights or torch
+    assert seen.hold()
+    models["other"] = torch.nn.Identity()  # another entry: nothing f reads
+    assert seen.hold()
+    models["encoder"] = torch.nn.Identity()
+    assert not seen.hold()
+
+
+def test_a_module_or_its_bound_forward_remembers_no_names():
+    # Its submodules are NOTE [a submodule replaced after a call]'s business.
+    linear = torch.nn.Linear(2, 2)
+    assert len(BindingsSeen(linear)) == len(BindingsSeen(linear.forward)) == 0
