@@ -432,7 +432,9 @@ def _replay_in_place(
         _rebound(into)
 
     def run_into(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-        into(*inputs, *outputs)
+        # forward, not the module's __call__: that prints the graph's code to
+        # stderr on every failing call, whether the caller catches it or not.
+        into.forward(*inputs, *outputs)
 
     artifact.run_into = run_into
     artifact.into_strides = row_major_strides(out_specs)

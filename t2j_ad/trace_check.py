@@ -211,7 +211,7 @@ def checked_first_run(
     expected = eager()
     left.restore()
     with torch.no_grad():
-        again = graph(*[t.clone() for t in inputs])
+        again = graph.forward(*[t.clone() for t in inputs])
     left.restore()
     reason = _disagreement(_as_tuple(expected), _as_tuple(again))
     if reason is None:
@@ -230,7 +230,7 @@ def compiled_disagreement(
     devices = sorted({t.device.index or 0 for t in inputs if t.is_cuda})
     left = _State(devices, written)
     with torch.no_grad():
-        expected = graph(*[t.clone() for t in inputs])
+        expected = graph.forward(*[t.clone() for t in inputs])
     left.restore()
     try:
         with torch.no_grad():

@@ -1422,3 +1422,17 @@ def test_attention_draws_only_with_dropout(dropout_p):
     assert seen.seen == (dropout_p > 0)
     if dropout_p == 0 and TORCH_DEVICE.type == "cpu":
         assert torch.equal(before, torch.get_rng_state())  # PyTorch's generator did not move
+
+
+def test_a_failing_replay_prints_nothing(capfd):
+    # FX's GraphModule.__call__ printed the graph's code to stderr on every
+    # failing call, also when the caller caught the error; eager prints none.
+    f = t2j_ad.jaxify(lambda x, i: torch.index_select(x, 0, i) * 2, compile="graph")
+    x = jnp.arange(3.0)
+    assert_tree_allclose(f(x, jnp.array([1])), jnp.array([2.0]))
+    capfd.readouterr()
+    for _ in range(2):
+        with pytest.raises(Exception, match="index out of range"):
+            jax.block_until_ready(f(x, jnp.array([7])))
+    assert "Traceback" not in capfd.readouterr().err
+    assert_tree_allclose(f(x, jnp.array([2])), jnp.array([4.0]))
