@@ -93,6 +93,7 @@ from .tangent_zeros import fold_tangent_zeros, plain_tangent_zeros
 from .trace_refusals import (
     refuse_module_side_effects,
     refuse_scalar_reads,
+    refuse_state_kept_in_objects,
     refusing_closed_over_reads,
     refusing_reseeding,
 )
@@ -236,6 +237,7 @@ def trace(
             seeds = SeedWatch(generators_in_use())
             refusing = refusing_reseeding(refusing_closed_over_reads(fn), seeds)
             graph = make_fx(refusing, _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+            refuse_state_kept_in_objects(attributes.cache_state())  # before the trial run puts it back
         refuse_module_side_effects(attributes.rebound, attributes.python_state)
         return graph
 

@@ -416,9 +416,10 @@ class TrialRun:
     """What a trial run found: the module attributes it rebound, and the
     tensors kept between calls that it wrote (once the run has ended)."""
 
-    def __init__(self, attributes: ModuleAttributesKept, writes: RealWritesUndone) -> None:
+    def __init__(self, attributes: ModuleAttributesKept, writes: RealWritesUndone, caches: CachesKept) -> None:
         self._attributes = attributes
         self._writes = writes
+        self._caches = caches
 
     @property
     def rebound(self) -> list[str]:
@@ -429,6 +430,12 @@ class TrialRun:
     def python_state(self) -> list[str]:
         """Each plain attribute changed and put back, as ``Class.name``."""
         return self._attributes.python_state
+
+    def cache_state(self) -> list[str]:
+        """Each entry of a dict, or attribute of a plain object, the function
+        reaches that the run changed from or to a tensor (while the run is on:
+        it is put back when the run ends)."""
+        return self._caches.state_changed()
 
     def state_written(self) -> StateWrites:
         """The state the run updated: tensors kept between calls written in
@@ -528,7 +535,7 @@ def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()
             with ModuleAttributesKept(caches, under).watching() as attributes:
                 writes = RealWritesUndone(attributes.owner_of)
                 with writes, random_state_kept():
-                    yield TrialRun(attributes, writes)
+                    yield TrialRun(attributes, writes, caches)
         finally:
             caches.take_back()
             release(locks)

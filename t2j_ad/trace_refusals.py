@@ -97,6 +97,19 @@ def refuse_module_side_effects(rebound: Sequence[str], python_state: Sequence[st
     raise NotTraceable(f"a module's forward {what}; {fix}")
 
 
+def refuse_state_kept_in_objects(changed: Sequence[str]) -> None:
+    """Raise ``NotTraceable`` if the trace rebound an entry a dict, or an
+    attribute a plain object, it closes over already had, from or to a
+    tensor (a KV cache's ``self.k = torch.cat([self.k, x])``): a graph
+    replays none of that Python, so later calls would not see it grow."""
+    if changed:
+        raise NotTraceable(
+            f"it binds a new tensor to {', '.join(dict.fromkeys(changed))} of a dict or plain object it closes over "
+            f"(state such as a KV cache), a Python side effect the graph cannot replay; keep such state in a "
+            f"preallocated tensor updated in place (cache[:, step] = x) to keep the graph"
+        )
+
+
 _aten = torch.ops.aten
 # Ops that hand a tensor's value to Python.
 _VALUE_READS = frozenset({_aten._local_scalar_dense.default, _aten.item.default, _aten.equal.default})

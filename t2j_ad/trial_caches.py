@@ -14,9 +14,17 @@ its closure or globals, and those its arguments' and referenced modules'
 attributes hold; ``dicts_named_by``), those the modules it runs hold as
 attributes (noted as each ``forward`` starts), and parametrize's cache, and
 when the run ends, takes out every entry it added or changed to a value
-holding a tensor, putting the old value back. Entries holding no tensor (a
-call counter) stay, as other Python state a trial run touches does; caches
-of other kinds (``functools.lru_cache``) are not seen.
+holding a tensor, putting the old value back, and in a dict where it did
+that, every other entry it changed too (transformers' ``DynamicCache``
+layer sets ``is_initialized`` beside its first keys; a flag left set with
+the keys put back failed the next call). The objects those dicts hold
+(``cache.layers[i]``: a list of objects holding tensors) are looked into
+as well. A dict whose entries the run changed but none to or from a tensor
+(a call counter) stays as the run left it, as other Python state a trial
+run touches does; caches of other kinds (``functools.lru_cache``) are not
+seen. A graph-mode trace that changes an entry a dict or object already
+had, from or to a tensor (a KV cache grown by ``torch.cat``), is refused:
+the graph would not grow it (trace_refusals.refuse_state_kept_in_objects).
 """
 
 from __future__ import annotations
@@ -86,10 +94,25 @@ class CachesKept:
         """Note the dicts ``module`` holds as attributes (its caches)."""
         self.note(module_dicts(module))
 
+    def state_changed(self) -> list[str]:
+        """The entries the run changed, among those a dict or object had
+        before it, that held or now hold a tensor (``self.k =
+        torch.cat([self.k, x])``, a KV cache): state, which a graph would not
+        update; an entry added (a cache filled) is not one."""
+        return [
+            repr(key)
+            for d, saved in self._saved.values()
+            for key, old, new in changed_entries(d, saved)
+            if old is not ABSENT and (holds_tensor(new) or holds_tensor(old))
+        ]
+
     def take_back(self) -> None:
         for d, saved in self._saved.values():
-            for key, old, new in changed_entries(d, saved):
-                if holds_tensor(new) or holds_tensor(old):
+            changed = changed_entries(d, saved)
+            if any(holds_tensor(new) or holds_tensor(old) for _, old, new in changed):
+                # With the Python state that went with it (a cache layer's
+                # is_initialized flag beside its tensors).
+                for key, old, _ in changed:
                     put_back(d, key, old)
         self._saved.clear()
 
@@ -102,13 +125,27 @@ def dicts_named_by(fn: Callable[..., Any], modules: Iterable[torch.nn.Module] = 
     found = {id(d): d for d in reachable(fn, lambda obj: type(obj) is dict, stop=(torch.nn.Module,))}
     for d in list(found.values()):  # holder.cache[n] = ... in an object the code names
         for value in d.values() if len(d) <= _ENTRIES else ():
-            if type(value) is dict:
-                found.setdefault(id(value), value)
+            # cache.layers[i].keys: the objects a list of it holds, as
+            # transformers' DynamicCache holds its tensors
+            entries = value if isinstance(value, (list, tuple)) and len(value) <= _ENTRIES else (value,)
+            for entry in entries:
+                held = _attributes_of(entry) if type(entry) is not dict else entry
+                if held is not None:
+                    found.setdefault(id(held), held)
     for module in modules:
         for sub in module.modules():
             for value in module_dicts(sub):
                 found.setdefault(id(value), value)
     return list(found.values())
+
+
+def _attributes_of(obj: Any) -> dict[str, Any] | None:
+    """The attribute dict of a plain object (not a tensor, module, function
+    or class), where it has one."""
+    attributes = getattr(obj, "__dict__", None)
+    if type(attributes) is not dict or callable(obj) or isinstance(obj, (torch.Tensor, type)):
+        return None
+    return attributes
 
 
 # A module's own tables, which real_writes.ModuleAttributesKept keeps.

@@ -685,3 +685,65 @@ def test_a_trace_that_changes_python_state_runs_eagerly():
                 expected = twin(to_torch(batch))
             assert_tree_allclose(f(jnp.asarray(batch)), to_numpy(expected), rtol=1e-6, atol=1e-6)
     assert module.initialized
+
+
+class _Layer:
+    """A cache layer as transformers' ``DynamicLayer`` is one: made lazily
+    on the first update, a flag beside its tensors, grown by ``torch.cat``."""
+
+    def __init__(self):
+        self.keys, self.initialized = None, False
+
+    def update(self, x):
+        if not self.initialized:
+            self.keys, self.initialized = x[:0], True
+        self.keys = torch.cat([self.keys, x], 0)
+        return self.keys
+
+
+class _Cache:
+    """Its layers one level down, in a list (``cache.layers[i].keys``)."""
+
+    def __init__(self):
+        self.layers = [_Layer()]
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_cache_whose_layers_hold_its_tensors_grows_once_per_call_as_in_pytorch(mode):
+    # The trial runs grew the cache's layer and left it holding a meta tensor,
+    # so every call failed; with only the tensors put back, the flag set
+    # beside them failed the next call on keys None. In graph mode the replay
+    # never grew it. Found by the eighth fuzzing pass (transformers'
+    # DynamicCache closed over by a decode step).
+    cache, twin = _Cache(), _Cache()
+    f = t2j_ad.jaxify(lambda x: cache.layers[0].update(x).sum(0), compile=mode)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always", FallbackWarning)
+        for step in range(3):
+            row = np.full((1, 3), step + 1.0, dtype=np.float32)
+            expected = twin.layers[0].update(torch.as_tensor(row, device=TORCH_DEVICE)).sum(0)
+            assert_tree_allclose(f(jnp.asarray(row)), to_numpy(expected))
+    assert_tree_allclose(to_numpy(cache.layers[0].keys), to_numpy(twin.layers[0].keys))
+    messages = [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
+    if mode == "graph":  # the graph would not grow it: eager, said once
+        assert len(messages) == 1 and "binds a new tensor to 'keys' of a dict or plain object" in messages[0]
+    else:
+        assert not messages
+
+
+def test_a_trace_that_fills_a_dict_cache_keeps_its_graph():
+    # An entry added (a cache filled) is no state to refuse: only a change of
+    # an entry the dict had is.
+    tables = {}
+
+    def f(x):
+        if x.shape[-1] not in tables:
+            tables[x.shape[-1]] = torch.arange(x.shape[-1], dtype=x.dtype, device=x.device)
+        return x * tables[x.shape[-1]]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        g = t2j_ad.jaxify(f, compile="graph")
+        for _ in range(2):
+            assert_tree_allclose(g(jnp.ones(3)), np.arange(3.0, dtype=np.float32))
+    assert all(t.device == TORCH_DEVICE and not t.is_meta for t in tables.values())
