@@ -91,6 +91,7 @@ from .trace_check import (
 )
 from .tangent_zeros import fold_tangent_zeros, plain_tangent_zeros
 from .trace_refusals import (
+    refuse_lost_results,
     refuse_module_side_effects,
     refuse_scalar_reads,
     refuse_state_kept_in_objects,
@@ -258,6 +259,7 @@ def trace(
     graph.graph.eliminate_dead_code()
     recompile(graph)
     refuse_scalar_reads(graph)
+    refuse_lost_results(graph)
     return graph
 
 

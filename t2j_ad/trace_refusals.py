@@ -41,6 +41,7 @@ back is refused alike: the price is an eager run, never a wrong result.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -71,6 +72,24 @@ def refuse_scalar_reads(graph: torch.fx.GraphModule) -> None:
         if node.op == "call_function" and node.target is _SCALAR_READ:
             raise NotTraceable(
                 "it reads a tensor's value into Python (.item(), float(), int() or bool() of a tensor)"
+            )
+
+
+def refuse_lost_results(graph: torch.fx.GraphModule) -> None:
+    """Raise ``NotTraceable`` if ``graph`` holds a fake tensor as a constant:
+    a tensor the tracer lost track of (a tensor subclass made inside the
+    function, ``as_subclass`` or ``nn.Parameter(x)``, under ``torch.func``
+    transforms), which it kept as it was at trace time. Replayed, it holds
+    no values: the outputs it reached were never written (uninitialized
+    memory in gradients and batches)."""
+    for node in graph.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        constant = operator.attrgetter(node.target)(graph)
+        if isinstance(constant, torch.Tensor) and is_fake(constant):
+            raise NotTraceable(
+                "PyTorch's tracer lost track of a tensor it computes (a tensor subclass made inside the function, "
+                "as_subclass or nn.Parameter(x), is one) and kept it as a constant of its trace, which holds no values"
             )
 
 

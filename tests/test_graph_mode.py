@@ -1436,3 +1436,40 @@ def test_a_failing_replay_prints_nothing(capfd):
             jax.block_until_ready(f(x, jnp.array([7])))
     assert "Traceback" not in capfd.readouterr().err
     assert_tree_allclose(f(x, jnp.array([2])), jnp.array([4.0]))
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass a function makes from its result."""
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: (x * 2).as_subclass(_Marked),
+        lambda x: torch.nn.Parameter(x * 2) + x,
+        lambda x: (x * 2).as_subclass(torch.Tensor),
+    ],
+    ids=["as_subclass", "parameter", "as_plain_tensor"],
+)
+def test_a_tensor_the_tracer_loses_runs_eagerly_instead_of_replaying_no_values(make, x64):
+    # make_fx of torch.func transforms of these kept the result as a fake
+    # constant of the graph, which the replay never wrote: gradients and
+    # batches of uninitialized memory, and jit(grad) gave no warning at all.
+    x = jnp.arange(1.0, 4.0)
+    batch = jnp.stack([x, x + 1])
+    f = t2j_ad.jaxify(make, compile="graph")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        got = (
+            jax.jit(jax.grad(lambda x: f(x).sum()))(x),
+            jax.vmap(f)(batch),
+            jax.jvp(f, (x,), (jnp.ones(3),))[1],
+        )
+    xt, bt = to_torch(x), to_torch(batch)
+    expected = (
+        torch.func.grad(lambda t: make(t).sum())(xt),
+        torch.vmap(make)(bt),
+        torch.func.jvp(make, (xt,), (torch.ones_like(xt),))[1],
+    )
+    for g, e in zip(got, expected):
+        assert_tree_allclose(g, to_numpy(torch.as_tensor(e)))
