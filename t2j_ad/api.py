@@ -27,7 +27,8 @@ from .module_structure import StructureSeen
 from .named_bindings import BindingsSeen
 from .primitive import torch_call
 from .rules.partitioning import local_bases
-from .pytrees import flags_kept  # also: PyTorch's result tuples as pytrees (NOTE [PyTorch's result tuples])
+# Also PyTorch's result tuples as pytrees (NOTE [PyTorch's result tuples]).
+from .pytrees import flags_kept, registered_from_torch
 from .runtime import (
     InputMutationError,
     TorchCallError,
@@ -336,6 +337,10 @@ class JaxifiedFunction:
             inferred_on, inferred_runs = inferred.device, inferred.runs
             effects = inferred.effects
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred.outputs, is_leaf=_is_output_leaf)
+            if registered_from_torch(leaf for _, leaf in with_paths):  # NOTE [PyTorch's pytree nodes in results]
+                with_paths, out_tree = jax.tree_util.tree_flatten_with_path(
+                    inferred.outputs, is_leaf=_is_output_leaf
+                )
             declared = []
             for path, leaf in with_paths:
                 where = f"output{jax.tree_util.keystr(path)}"
@@ -525,7 +530,8 @@ def jaxify(
     0-d arrays; a Python bool is passed to ``fn`` as it is, a flag, each
     value its own signature) and returns the pytree ``fn`` returns, as JAX
     arrays (PyTorch's named result tuples, ``torch.return_types``, keep
-    their fields). It works under
+    their fields, as do result classes registered with PyTorch's pytrees,
+    such as transformers' ``ModelOutput``). It works under
     ``jax.jit`` and every JAX transform (``grad``, ``jacfwd``, ``jacrev``,
     ``hessian``, ``jvp``, ``linearize``, ``vmap``, ``lax.scan``,
     ``checkpoint``), composed to any depth: each derivative or batch is

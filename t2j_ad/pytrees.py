@@ -1,5 +1,6 @@
 """What JAX's pytrees make of a PyTorch function's arguments and results
-beyond arrays: PyTorch's named result tuples, and Python bools.
+beyond arrays: PyTorch's named result tuples, result classes registered
+with PyTorch's pytrees, and Python bools.
 
 NOTE [PyTorch's result tuples]
 ``torch.max(x, 0)``, ``sort``, ``topk``, ``linalg.slogdet`` and the other ops
@@ -11,6 +12,17 @@ its fields, so the JAX function returns the same structure, holding JAX
 arrays: ``f(x).values`` works as in PyTorch. The registration is JAX's
 process-wide pytree registry; a class someone registered first is left as
 they registered it.
+
+NOTE [PyTorch's pytree nodes in results]
+A library may register its result classes with PyTorch's pytrees, which
+``torch.func`` then looks through: transformers' ``ModelOutput`` (what
+every model returns by default, a dict subclass) and its caches. JAX's
+pytrees do not know them, so such a result was one leaf, refused as "not a
+torch.Tensor". A result class PyTorch's registry has and JAX's lacks is
+registered with JAX the first time a result holds one, with PyTorch's own
+flatten and unflatten functions (and its keys, as JAX's), so the JAX
+function returns the same class, holding JAX arrays (``f(x).logits``). A
+class JAX already knows is left as registered there.
 
 NOTE [Python bools are flags]
 A Python bool argument (``need_weights=True``, ``is_causal=True``, a
@@ -32,6 +44,7 @@ from typing import Any
 
 import jax
 import torch
+import torch.utils._pytree as torch_pytree  # private, but what libraries register their results with
 
 
 def _register_return_types() -> None:
@@ -52,6 +65,70 @@ def _register_return_types() -> None:
 
 
 _register_return_types()
+
+
+class _TorchContext:
+    """A PyTorch pytree node's context (a list of keys, say) as JAX's aux
+    data, which JAX hashes and compares."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _TorchContext):
+            return False
+        try:
+            return bool(self.value == other.value)
+        except Exception:  # noqa: BLE001 - no plain answer: the same only if identical
+            return self.value is other.value
+
+    def __hash__(self) -> int:
+        return hash(repr(self.value))
+
+
+def _jax_key(key: Any, index: int) -> Any:
+    """PyTorch's pytree key as JAX's."""
+    if isinstance(key, torch_pytree.MappingKey):
+        return jax.tree_util.DictKey(key.key)
+    if isinstance(key, torch_pytree.SequenceKey):
+        return jax.tree_util.SequenceKey(key.idx)
+    if isinstance(key, torch_pytree.GetAttrKey):
+        return jax.tree_util.GetAttrKey(key.name)
+    return jax.tree_util.FlattenedIndexKey(index)
+
+
+def registered_from_torch(leaves: Iterable[Any]) -> bool:
+    """Register with JAX's pytrees each class among ``leaves`` (values JAX
+    took for leaves) that PyTorch's pytrees know (NOTE [PyTorch's pytree
+    nodes in results]); whether any was."""
+    registered = False
+    for cls in {type(leaf) for leaf in leaves if not isinstance(leaf, torch.Tensor)}:
+        node = torch_pytree.SUPPORTED_NODES.get(cls)
+        if node is None:
+            continue
+
+        def flatten(obj: Any, node: Any = node) -> tuple[list[Any], _TorchContext]:
+            children, context = node.flatten_fn(obj)
+            return list(children), _TorchContext(context)
+
+        def unflatten(context: _TorchContext, children: Iterable[Any], node: Any = node) -> Any:
+            return node.unflatten_fn(list(children), context.value)
+
+        def flatten_with_keys(obj: Any, node: Any = node) -> tuple[list[tuple[Any, Any]], _TorchContext]:
+            pairs, context = node.flatten_with_keys_fn(obj)
+            return [(_jax_key(key, i), child) for i, (key, child) in enumerate(pairs)], _TorchContext(context)
+
+        try:
+            if node.flatten_with_keys_fn is not None:
+                jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten_func=flatten)
+            else:
+                jax.tree_util.register_pytree_node(cls, flatten, unflatten)
+        except ValueError:  # registered meanwhile (NOTE [PyTorch's pytree nodes in results])
+            pass
+        registered = True
+    return registered
 
 
 class _Flag:

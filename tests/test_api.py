@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import torch.utils._pytree
 from conftest import TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
 
 import t2j_ad
@@ -124,6 +125,55 @@ def test_pytorch_result_tuples_keep_their_named_fields(compile):
     assert_tree_allclose((got.sign, got.logabsdet), (sign, logabsdet), rtol=1e-5)
     nested = t2j_ad.jaxify(lambda x: {"max": torch.max(x, 1), "sum": x.sum()}, compile=compile)(x)
     assert_tree_allclose(nested["max"].values, x.max(axis=1))
+
+
+class _ModelOutput(dict):
+    """A result class registered with PyTorch's pytrees, as transformers'
+    ``ModelOutput`` is (and not with JAX's)."""
+
+    def __getattr__(self, name):
+        return self[name]
+
+
+torch.utils._pytree.register_pytree_node(
+    _ModelOutput,
+    lambda o: (list(o.values()), list(o.keys())),
+    lambda values, keys: _ModelOutput(zip(keys, values)),
+    flatten_with_keys_fn=lambda o: ([(torch.utils._pytree.MappingKey(k), v) for k, v in o.items()], list(o.keys())),
+)
+
+
+class _Unregistered(dict):
+    """A result class no pytree registry knows."""
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_result_classes_registered_with_pytorchs_pytrees_are_returned_as_such(compile):
+    # NOTE [PyTorch's pytree nodes in results]: every transformers model
+    # returns a ModelOutput, refused as "not a torch.Tensor".
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(2, 3)), jnp.float32)
+
+    def model(x):
+        return _ModelOutput(hidden=torch.tanh(x), logits=x.sum(-1))
+
+    f = t2j_ad.jaxify(model, compile=compile)
+    got = jax.jit(f)(x)
+    assert type(got) is _ModelOutput and list(got) == ["hidden", "logits"]
+    assert_tree_allclose((got.hidden, got.logits), (jnp.tanh(x), x.sum(-1)), rtol=1e-6)
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(got)[0]]
+    assert paths == ["['hidden']", "['logits']"]
+
+    def loss(x):
+        out = f(x)
+        return (out.hidden**2).sum() + out.logits.sum()
+
+    def twin(x):
+        return (jnp.tanh(x) ** 2).sum() + x.sum()
+
+    assert_tree_allclose(jax.grad(loss)(x), jax.grad(twin)(x), rtol=1e-5)
+    assert_tree_allclose(jax.vmap(f)(jnp.stack([x, -x])).logits, jnp.stack([x.sum(-1), -x.sum(-1)]), rtol=1e-6)
+    with pytest.raises(t2j_ad.TorchCallError, match=r"output is _Unregistered .*not a torch.Tensor"):
+        t2j_ad.jaxify(lambda x: _Unregistered(a=x), compile=compile)(x)
 
 
 ALL_DTYPES = [
