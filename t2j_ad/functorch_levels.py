@@ -284,6 +284,41 @@ def dispatch_keys_kept() -> Iterator[None]:
                     tls._dispatch_tls_set_dispatch_key_included(key, included.has(key))
 
 
+@contextlib.contextmanager
+def forward_ad_levels_kept() -> Iterator[None]:
+    """PyTorch's forward-AD levels as they were before the block, also after
+    it failed.
+
+    NOTE [an interrupt inside forward AD]
+    ``torch.autograd.forward_ad`` keeps its current level twice: in C++,
+    and in the module variable ``_current_level``, set in Python right after
+    the C++ call that enters or exits a level. A ``KeyboardInterrupt`` (or a
+    signal handler's exception) landing between the two in a ``jax.jacfwd``
+    call left them apart, and from then on every ``torch.func.jvp``,
+    ``jacfwd`` and ``hessian`` in the process failed ("Entering a new
+    forward AD level but the current level is not valid"), and t2j_ad's
+    forward mode fell back to reverse mode for good, blaming the user's
+    function. So a forward-mode call that fails, entered with no level
+    current, exits the level C++ may still hold (it holds one at a time) and
+    sets ``_current_level`` back. Calls that enter forward AD run one at a
+    time (NOTE [forward AD is process-wide] in runtime.py), so no other
+    call's level is among them.
+    """
+    from torch.autograd import forward_ad
+
+    level = forward_ad._current_level
+    try:
+        yield
+    except BaseException:
+        if level == -1:
+            try:
+                torch._C._exit_dual_level(level=0)
+            except RuntimeError:  # none held: only the Python side was off
+                pass
+            forward_ad._current_level = -1
+        raise
+
+
 def _free_frames(err: BaseException) -> None:
     """Drop the locals of the frames ``err`` and the exceptions it chains
     hold: a guard object PyTorch keeps in a local sets the dispatch keys it

@@ -20,6 +20,7 @@ import torch
 from . import graph_mode
 from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, on_another_device, torch_dtype
 from .cuda_streams import external_stream, run_on_stream
+from .functorch_levels import forward_ad_levels_kept
 from .kept_inputs import references as kept_inputs_references
 from .kept_inputs import release_kept_inputs
 from .malloc_tuning import tune_malloc
@@ -463,7 +464,8 @@ class _Runner:
         with one_trial_run() if tracing else contextlib.nullcontext(), _forward_ad_lock:
             _forward_ad_held.held = True
             try:
-                self(inputs, outputs)
+                with forward_ad_levels_kept():  # NOTE [an interrupt inside forward AD]
+                    self(inputs, outputs)
             finally:
                 _forward_ad_held.held = False
 

@@ -345,3 +345,28 @@ def test_the_import_check_passes_here_and_catches_a_changed_private_api(monkeypa
     assert not levels.direct_path_works()
     assert levels.FAST  # the check leaves the switch as it found it
     assert_clean_state()
+
+
+def test_a_forward_mode_call_torn_by_an_interrupt_leaves_forward_ad_usable():
+    # NOTE [an interrupt inside forward AD]: Ctrl-C between forward AD's C++
+    # call and its Python bookkeeping left the two apart, and every later
+    # torch.func.jvp in the process failed. Here the function tears them
+    # itself, then is interrupted.
+    from torch.autograd import forward_ad
+
+    def torn(x):
+        if forward_ad._current_level == -1:
+            return x * 2  # the runs that infer shapes
+        forward_ad._current_level = 3  # inside jvp's level: as if exiting had been interrupted halfway
+        raise KeyboardInterrupt
+
+    x = jnp.linspace(-1.0, 1.0, 4)
+    with pytest.raises(BaseException):  # noqa: B017 - the interrupt, however the call reports it
+        jax.block_until_ready(jax.jvp(t2j_ad.jaxify(torn), (x,), (jnp.ones(4),)))
+    assert forward_ad._current_level == -1
+    t = torch.linspace(-1.0, 1.0, 4)
+    _, tangent = torch.func.jvp(torch.sin, (t,), (torch.ones(4),))
+    assert_tree_allclose(tangent.numpy(), torch.cos(t).numpy())
+    f = t2j_ad.jaxify(lambda t: torch.sin(t) * t)
+    _, got = jax.jvp(f, (x,), (jnp.ones(4),))
+    assert_tree_allclose(got, jnp.cos(x) * x + jnp.sin(x), rtol=1e-6)
