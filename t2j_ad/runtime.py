@@ -627,16 +627,19 @@ class _Runner:
             return own
         if where.type == "meta":
             return (
-                f"{own}. If the function's output shapes and dtypes depend on its input shapes and dtypes "
-                f"alone (as JAX needs), either it branches on the device (if x.device.type == 'cpu': "
-                f"x = x.float()), which is 'meta' there, or a meta kernel of an op here differs from its real "
-                f"one, a PyTorch bug (torch 2.11's linalg.vector_norm with dim=-1 over a size-1 dimension is "
-                f"one): pass output_shapes= with the real shapes and dtypes"
+                f"{own}. Output shapes and dtypes must depend on the input shapes and dtypes alone (all JAX "
+                f"knows when it traces). Either the function reads Python state that changed since (a global "
+                f"size set again in a later cell: call t2j_ad.clear_caches() after changing it), or it branches "
+                f"on the device (if x.device.type == 'cpu': x = x.float()), which is 'meta' there, or a meta "
+                f"kernel of an op here differs from its real one, a PyTorch bug (torch 2.11's "
+                f"linalg.vector_norm with dim=-1 over a size-1 dimension is one): pass output_shapes= with "
+                f"the real shapes and dtypes"
             )
         hint = integer_scalars_hint(getattr(self.base, "in_names", ()), self.base.in_avals)
         return (
             f"{own}; output shapes and dtypes must depend on the input shapes and dtypes alone, which is all "
-            f"JAX knows when it traces" + (f".{hint.rstrip('.')}" if hint else "")
+            f"JAX knows when it traces (a global size set again after the first call: call "
+            f"t2j_ad.clear_caches() after changing it)" + (f".{hint.rstrip('.')}" if hint else "")
         )
 
     def _outside_inference_mode(

@@ -817,3 +817,17 @@ def test_a_callable_that_is_falsy_is_still_called():
     assert_tree_allclose(t2j_ad.jaxify(torch.nn.Sequential())(x), x)
     assert_tree_allclose(t2j_ad.jaxify(Falsy())(x), x * 2 + 1)
     assert_tree_allclose(jax.grad(lambda x: t2j_ad.jaxify(Falsy())(x).sum())(x), jnp.full(3, 2.0))
+
+
+def test_a_size_read_from_python_state_that_changed_names_the_fix():
+    # A notebook sets a global size again in a later cell: the error had
+    # blamed meta kernels and device branches.
+    size = [3]
+    f = t2j_ad.jaxify(lambda x: x[: size[0]] * 2)
+    x = jnp.arange(6.0)
+    assert_tree_allclose(f(x), 2 * x[:3])
+    size[0] = 4
+    with pytest.raises(Exception, match=r"Python state that changed since .*call t2j_ad.clear_caches\(\)"):
+        jax.block_until_ready(f(x))
+    t2j_ad.clear_caches()
+    assert_tree_allclose(f(x), 2 * x[:4])
