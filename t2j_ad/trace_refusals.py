@@ -137,6 +137,8 @@ _FRESH_CONSTANTS = frozenset({_aten.lift_fresh.default, _aten.lift_fresh_copy.de
 _MASK_DTYPES = (torch.bool, torch.uint8)
 # Python-level reads that never reach the dispatcher.
 _PYTHON_READS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__})
+# ``Tensor.data``, whose setter a TorchFunctionMode sees as this descriptor's ``__set__``.
+_DATA = torch._C.TensorBase.__dict__["data"]
 
 
 def _refusal(what: str) -> NotTraceable:
@@ -211,13 +213,25 @@ def _unanswerable(func: Any, why: str) -> NotTraceable:
 
 class _PythonReadRefuser(TorchFunctionMode):
     """Refuses ``.tolist()``, ``.numpy()`` and ``__array__`` of a real tensor,
-    and notes those of a fake one, which fail."""
+    and notes those of a fake one, which fail, and ``.data =``, which a
+    trace does not record."""
 
     def __init__(self, noted: list[NotTraceable]) -> None:
         super().__init__()
         self._noted = noted
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__":
+            # Noted, not raised: the rebinding itself still happens (t2j_ad's
+            # own put-back of a module's elements goes through here too).
+            _noted(
+                self._noted,
+                NotTraceable(
+                    "it rebinds a tensor's elements with `.data =`, which PyTorch's tracer does not record, so "
+                    "the graph would compute with the old ones; use the new tensor itself (y = x * 2)"
+                ),
+            )
+            return func(*args, **(kwargs or {}))
         if func in _PYTHON_READS and args and isinstance(args[0], torch.Tensor):
             if not is_fake(args[0]):
                 raise _noted(self._noted, _refusal(f"reads the values (Tensor.{func.__name__})"))

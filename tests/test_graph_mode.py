@@ -1473,3 +1473,19 @@ def test_a_tensor_the_tracer_loses_runs_eagerly_instead_of_replaying_no_values(m
     )
     for g, e in zip(got, expected):
         assert_tree_allclose(g, to_numpy(torch.as_tensor(e)))
+
+
+def test_a_function_that_rebinds_data_runs_eagerly(x64):
+    # make_fx records no `.data =`: the replay computed y + x from the zeros,
+    # giving x instead of 3x, with no warning.
+    def fn(x):
+        y = torch.zeros_like(x)
+        y.data = x * 2
+        return y + x
+
+    f = t2j_ad.jaxify(fn, compile="graph")
+    x = jnp.arange(1.0, 4.0)
+    with pytest.warns(FallbackWarning, match=r"rebinds a tensor's elements with `.data =`"):
+        assert_tree_allclose(f(x), 3 * x)
+    for k in range(2):
+        assert_tree_allclose(jax.jit(f)(x + k), 3 * (x + k))
