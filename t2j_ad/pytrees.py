@@ -18,11 +18,13 @@ A library may register its result classes with PyTorch's pytrees, which
 ``torch.func`` then looks through: transformers' ``ModelOutput`` (what
 every model returns by default, a dict subclass) and its caches. JAX's
 pytrees do not know them, so such a result was one leaf, refused as "not a
-torch.Tensor". A result class PyTorch's registry has and JAX's lacks is
-registered with JAX the first time a result holds one, with PyTorch's own
-flatten and unflatten functions (and its keys, as JAX's), so the JAX
-function returns the same class, holding JAX arrays (``f(x).logits``). A
-class JAX already knows is left as registered there.
+torch.Tensor". A result class PyTorch's registry has and JAX's lacks, of
+a library (not PyTorch's, JAX's or Python's own: ``torch.Size`` stays a
+leaf), holding only tensors, is registered with JAX the first time a
+result holds one, with PyTorch's own flatten and unflatten functions (and
+its keys, as JAX's), so the JAX function returns the same class, holding
+JAX arrays (``f(x).logits``). A class JAX already knows is left as
+registered there.
 
 NOTE [Python bools are flags]
 A Python bool argument (``need_weights=True``, ``is_causal=True``, a
@@ -99,14 +101,32 @@ def _jax_key(key: Any, index: int) -> Any:
     return jax.tree_util.FlattenedIndexKey(index)
 
 
+# Classes PyTorch's pytrees know that are not results of a library's own
+# (torch.Size, collections.deque): registering them with JAX's process-wide
+# registry would change what JAX makes of them everywhere (a torch.Size
+# argument would become a node of ints).
+_NOT_RESULTS = ("builtins", "collections", "torch", "jax", "numpy", "typing")
+
+
+def _a_libraries_result(cls: type, leaf: Any) -> bool:
+    """Whether ``leaf``, of a class PyTorch's pytrees know, is a library's
+    result class holding tensors only (NOTE [PyTorch's pytree nodes in
+    results])."""
+    if (cls.__module__ or "").split(".")[0] in _NOT_RESULTS:
+        return False
+    held = torch_pytree.tree_leaves(leaf)
+    return bool(held) and all(isinstance(t, torch.Tensor) or t is None for t in held)
+
+
 def registered_from_torch(leaves: Iterable[Any]) -> bool:
     """Register with JAX's pytrees each class among ``leaves`` (values JAX
     took for leaves) that PyTorch's pytrees know (NOTE [PyTorch's pytree
     nodes in results]); whether any was."""
     registered = False
-    for cls in {type(leaf) for leaf in leaves if not isinstance(leaf, torch.Tensor)}:
+    for leaf in {type(leaf): leaf for leaf in leaves if not isinstance(leaf, torch.Tensor)}.values():
+        cls = type(leaf)
         node = torch_pytree.SUPPORTED_NODES.get(cls)
-        if node is None:
+        if node is None or not _a_libraries_result(cls, leaf):
             continue
 
         def flatten(obj: Any, node: Any = node) -> tuple[list[Any], _TorchContext]:

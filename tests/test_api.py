@@ -174,6 +174,12 @@ def test_result_classes_registered_with_pytorchs_pytrees_are_returned_as_such(co
     assert_tree_allclose(jax.vmap(f)(jnp.stack([x, -x])).logits, jnp.stack([x.sum(-1), -x.sum(-1)]), rtol=1e-6)
     with pytest.raises(t2j_ad.TorchCallError, match=r"output is _Unregistered .*not a torch.Tensor"):
         t2j_ad.jaxify(lambda x: _Unregistered(a=x), compile=compile)(x)
+    # PyTorch's own classes stay leaves for JAX: a torch.Size returned is
+    # refused, not registered process-wide (it would turn every torch.Size
+    # argument into a node of ints).
+    with pytest.raises(t2j_ad.TorchCallError, match=r"output is Size"):
+        t2j_ad.jaxify(lambda x: x.shape, compile=compile)(x)
+    assert jax.tree_util.tree_leaves(torch.Size([3, 2])) == [torch.Size([3, 2])]
 
 
 ALL_DTYPES = [
