@@ -17,7 +17,12 @@ silently.
 So a resolved signature also remembers what each name on the way from the
 function to a module held: a global, a closure variable, an entry of a dict
 or list, an attribute of a plain object (as far as ``references.reachable``
-looks), and every name that holds a function of the user's. A call that
+looks), and every name that holds a function or other callable
+(``ACT = torch.tanh``, set to a dropout in a later cell); the
+``forward`` of each module class of the user's among those modules, and
+the names it reads in turn (a helper ``act(t)`` a ``forward`` calls); and
+the code of each of those functions, which IPython's ``%autoreload``
+replaces in place. A call that
 finds one rebound resolves the signature again, as after a submodule swap.
 A name that holds a number, an array or a tensor is not remembered:
 rebinding those is what a loop does (``step += 1``), and changes no
@@ -27,18 +32,33 @@ functions have one or two).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .references import CELL, reachable
+from .references import CELL, reachable, users_code
 
 _GONE = object()
 
 
+class _Attribute:
+    """A key naming an attribute: a function's ``__code__``."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+_CODE = _Attribute("__code__")
+
+
 def _held(holder: Any, key: Any) -> Any:
     """What ``holder`` holds under ``key`` now (``_GONE`` if nothing)."""
+    if key is _CODE:
+        return getattr(holder, "__code__", _GONE)
     if key is CELL:
         try:
             return holder.cell_contents
@@ -50,6 +70,10 @@ def _held(holder: Any, key: Any) -> Any:
         return _GONE
 
 
+def _is_module(obj: Any) -> bool:
+    return isinstance(obj, torch.nn.Module)
+
+
 class BindingsSeen:
     """The names on the way from a function to the modules it refers to, and
     those that hold its helper functions, with what each holds now;
@@ -59,9 +83,22 @@ class BindingsSeen:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         bindings: list[tuple[Any, Any, Any]] = []
-        reachable(fn, lambda obj: isinstance(obj, torch.nn.Module), bindings=bindings)
-        unique = {(id(holder), key if type(key) in (str, int) else id(key)): (holder, key, value)
-                  for holder, key, value in bindings}
+        modules = reachable(fn, _is_module, bindings=bindings)
+        classes = {type(sub) for module in modules for sub in module.modules()}
+        for cls in classes:
+            forward = vars(cls).get("forward")
+            if users_code(cls.__module__) and forward is not None:
+                bindings.append((vars(cls), "forward", forward))  # Net.forward = other
+                reachable(forward, _is_module, bindings=bindings)
+        functions = [value for _, _, value in bindings if inspect.isfunction(value)]
+        root = getattr(fn, "__func__", fn)
+        if inspect.isfunction(root) and users_code(root.__module__):
+            functions.append(root)
+        bindings += [(function, _CODE, function.__code__) for function in functions]
+        unique = {
+            (id(holder), key if type(key) in (str, int) else id(key)): (holder, key, value)
+            for holder, key, value in bindings
+        }
         self._bindings = tuple(unique.values())
 
     def __len__(self) -> int:

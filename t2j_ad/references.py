@@ -40,13 +40,13 @@ def reachable(
     ``bindings``, if given, gets ``(holder, key, value)`` for each name
     followed on the way (a global, a closure cell, keyed ``CELL``, an entry
     of a dict or list, an attribute) that holds a wanted object, or one on
-    the way to one, or a function of the user's: what rebinding that name
+    the way to one, or a function or other callable: what rebinding that name
     would change (NOTE [a name rebound after a call] in named_bindings.py)."""
     found: dict[int, Any] = {}
 
     def follow(holder: Any, key: Any, value: Any, depth: int) -> bool:
         leads = visit(value, depth)
-        if bindings is not None and (leads or _users_function(value)):
+        if bindings is not None and (leads or (callable(value) and not isinstance(value, types.ModuleType))):
             bindings.append((holder, key, value))
         return leads
 
@@ -104,8 +104,7 @@ def reachable(
     return list(found.values())
 
 
-def _users_function(value: Any) -> bool:
-    """Whether ``value`` is a Python function (or a method of one) from the
-    user's code, not PyTorch's, JAX's or the like."""
-    code_of = getattr(value, "__func__", value)
-    return inspect.isfunction(code_of) and not (code_of.__module__ or "").startswith(_LIBRARIES)
+def users_code(name: str | None) -> bool:
+    """Whether a module named ``name`` is the user's (or a library's other
+    than PyTorch's, JAX's, NumPy's or Python's own)."""
+    return not (name or "").startswith(_LIBRARIES)

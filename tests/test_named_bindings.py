@@ -145,7 +145,7 @@ def test_under_jit_a_rebinding_that_changes_the_draws_is_refused_until_traced_ag
     _against_torch_func(jax.jit(g), lambda t: (noise(t) ** 2).sum(), x)
 
 
-def test_bindings_seen_are_the_names_on_the_way_to_modules_and_helpers(rebound):
+def test_bindings_seen_are_the_names_on_the_way_to_modules_and_callables(rebound):
     count = 3
     weights = torch.ones(2)
 
@@ -153,12 +153,40 @@ def test_bindings_seen_are_the_names_on_the_way_to_modules_and_helpers(rebound):
         return model(x) * count + noise(x) * weights + models["encoder"](x) + torch.sin(x)
 
     seen = BindingsSeen(f)
-    assert len(seen) == 4  # model, noise, models, models["encoder"]: not count, weights or torch
+    # model, noise, models, models["encoder"], and the code of noise and f:
+    # not count, weights or torch
+    assert len(seen) == 6
     assert seen.hold()
+    count, weights = 4, torch.zeros(2)  # noqa: F841 - numbers and tensors: not remembered
     models["other"] = torch.nn.Identity()  # another entry: nothing f reads
     assert seen.hold()
     models["encoder"] = torch.nn.Identity()
     assert not seen.hold()
+    again = BindingsSeen(f)
+    code = noise.__code__
+    noise.__code__ = (lambda x: x * 1).__code__  # as IPython's %autoreload edits a function in place
+    try:
+        assert not again.hold()
+    finally:
+        noise.__code__ = code
+
+
+class _CallsAGlobal(torch.nn.Module):
+    def forward(self, x):
+        return (noise(x) ** 2).sum()
+
+
+def test_a_helper_a_modules_forward_calls_defined_again_is_seen(rebound):
+    global noise
+    net = _CallsAGlobal()
+    f = t2j_ad.jaxify(net)
+    x = jnp.arange(1.0, 9.0)
+    assert_tree_allclose(jax.grad(f)(x), 2 * x)
+
+    def noise(x):  # noqa: F811 - the helper's cell run again, edited
+        return torch.nn.functional.dropout(x, 0.5)
+
+    _against_torch_func(f, lambda t: net(t), x)
 
 
 def test_a_module_or_its_bound_forward_remembers_no_names():
