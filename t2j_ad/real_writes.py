@@ -211,6 +211,24 @@ def _elements_of(value: Any) -> tuple[torch.Tensor, Any] | None:
 # cannot replay either.
 
 
+@contextlib.contextmanager
+def _elements_kept(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Within the block, ``tensors`` may have their elements swapped
+    (``buf.data = buf.data + x``); when it ends, each has those it had
+    (NOTE [elements swapped through .data]: a closed-over accumulator was
+    one step ahead after the runs that infer shapes, and a trace left it
+    holding a fake tensor)."""
+    kept = [(t, elements) for t in tensors if (elements := _elements_of(t)) is not None]
+    try:
+        yield
+    finally:
+        for tensor, (alias, at) in kept:
+            now = _elements_of(tensor)
+            if now is None or now[1] != at:
+                with _disable_current_modes():
+                    tensor.data = alias
+
+
 class ModuleAttributesKept:
     """Within the block, each tensor bound to a name (parameter, buffer or
     plain attribute) of a module whose ``forward`` runs on this thread, or of
@@ -516,16 +534,20 @@ def one_trial_run() -> threading.RLock:
 
 
 @contextlib.contextmanager
-def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()) -> Iterator[TrialRun]:
+def trial_run(
+    dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = (), tensors: Iterable[torch.Tensor] = ()
+) -> Iterator[TrialRun]:
     """A run of the user's function made only to learn something: the real
     tensors it closes over, the attributes of the modules it runs, the
-    tensors in ``dicts`` and in those modules' dicts (its caches), and
+    tensors in ``dicts`` and in those modules' dicts (its caches), the
+    elements of ``tensors`` (those it names, against ``.data =``), and
     PyTorch's random state are as they were when the block ends (NOTE [trial
     runs do not write to real tensors], NOTE [random state in trial runs],
-    NOTE [trial runs leave caches as they found them]); yields what records
-    the attributes it rebound and the state it wrote. One at a time in the
-    process (NOTE [one trial run at a time])."""
-    with _one_trial_run, _in_trial_run():
+    NOTE [trial runs leave caches as they found them], NOTE [elements
+    swapped through .data]); yields what records the attributes it rebound
+    and the state it wrote. One at a time in the process (NOTE [one trial
+    run at a time])."""
+    with _one_trial_run, _in_trial_run(), _elements_kept(tensors):
         under = list(dict.fromkeys(sub for module in modules for sub in module.modules()))
         locks = in_lock_order(m for m in under if m._parameters or m._buffers)
         acquire(locks)

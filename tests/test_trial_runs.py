@@ -747,3 +747,24 @@ def test_a_trace_that_fills_a_dict_cache_keeps_its_graph():
         for _ in range(2):
             assert_tree_allclose(g(jnp.ones(3)), np.arange(3.0, dtype=np.float32))
     assert all(t.device == TORCH_DEVICE and not t.is_meta for t in tables.values())
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_closed_over_accumulator_rebound_through_data_counts_real_calls_only(mode):
+    # The runs that infer shapes swapped its elements too: eager was one step
+    # ahead (2, 3, 4), and a trace left it holding a fake tensor, so every
+    # call failed and the tensor stayed broken in PyTorch. Found by the
+    # eighth fuzzing pass.
+    buf = torch.zeros(3, device=TORCH_DEVICE)
+
+    def accumulate(x):
+        buf.data = buf.data + x
+        return buf * 1.0
+
+    f = t2j_ad.jaxify(accumulate, compile=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # graph mode: `.data =` runs eagerly
+        for step in range(1, 4):
+            assert_tree_allclose(f(jnp.ones(3, jnp.float32)), np.full(3, float(step), np.float32))
+    assert buf.device == TORCH_DEVICE and not buf.is_meta
+    assert_tree_allclose(to_numpy(buf), np.full(3, 3.0, np.float32))
