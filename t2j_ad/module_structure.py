@@ -71,7 +71,7 @@ class StructureSeen:
         self._modules = tuple(modules)
         self._registered = _registered[0]
         self._structure = _structure(self._modules)
-        self._bindings = bindings if bindings else None
+        self._bindings = bindings
 
     def now(self) -> tuple[Any, ...]:
         """The structure of the modules, and what the names hold, as they are now."""
@@ -79,7 +79,13 @@ class StructureSeen:
 
     def watches_names(self) -> bool:
         """Whether it remembers what some name the function reads holds."""
-        return self._bindings is not None
+        return self._bindings is not None and len(self._bindings) > 0
+
+    def watch_tensor_names(self) -> None:
+        """Remember the names that hold the tensors the function names too
+        (it updates state in place: NOTE [a name rebound after a call])."""
+        if self._bindings is not None:
+            self._bindings.watch_tensors()
 
     def holds(self) -> bool:
         if self._bindings is not None and not self._bindings.hold():

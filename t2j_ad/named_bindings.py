@@ -24,9 +24,12 @@ the names it reads in turn (a helper ``act(t)`` a ``forward`` calls); and
 the code of each of those functions, which IPython's ``%autoreload``
 replaces in place. A call that
 finds one rebound resolves the signature again, as after a submodule swap.
-A name that holds a number, an array or a tensor is not remembered:
-rebinding those is what a loop does (``step += 1``), and changes no
-effect. The look costs one lookup per remembered name per call (most
+A name that holds a number or an array is not remembered: rebinding those
+is what a loop does (``step += 1``, ``w = w - lr * g``), and changes no
+effect. Neither is a name that holds a tensor, unless the function updates
+state in place (``acc.add_(x)``): then a name bound to a fresh tensor
+changes what it updates, and a value and its gradient had updated the new
+one twice. The look costs one lookup per remembered name per call (most
 functions have one or two).
 """
 
@@ -79,9 +82,13 @@ class BindingsSeen:
     those that hold its helper functions, with what each holds now;
     ``hold()``: whether each still holds the same object."""
 
-    __slots__ = ("_bindings",)
+    __slots__ = ("_bindings", "_to_tensors", "_watching_tensors")
 
     def __init__(self, fn: Callable[..., Any]) -> None:
+        to_tensors: list[tuple[Any, Any, Any]] = []
+        reachable(fn, lambda obj: isinstance(obj, torch.Tensor), bindings=to_tensors)
+        self._to_tensors = _unique([b for b in to_tensors if not callable(b[2])])
+        self._watching_tensors = False
         bindings: list[tuple[Any, Any, Any]] = []
         modules = reachable(fn, _is_module, bindings=bindings)
         classes = {type(sub) for module in modules for sub in module.modules()}
@@ -95,21 +102,36 @@ class BindingsSeen:
         if inspect.isfunction(root) and users_code(root.__module__):
             functions.append(root)
         bindings += [(function, _CODE, function.__code__) for function in functions]
-        unique = {
-            (id(holder), key if type(key) in (str, int) else id(key)): (holder, key, value)
-            for holder, key, value in bindings
-        }
-        self._bindings = tuple(unique.values())
+        self._bindings = _unique(bindings)
 
     def __len__(self) -> int:
-        return len(self._bindings)
+        return len(self._bindings) + (len(self._to_tensors) if self._watching_tensors else 0)
+
+    def watch_tensors(self) -> None:
+        """Remember the names on the way to the tensors the function names
+        too: it updates one in place (``acc.add_(x)``), so a name bound to a
+        fresh one (``acc = torch.zeros(3)`` in a later cell) changes what it
+        updates."""
+        self._watching_tensors = True
+
+    def _watched(self) -> tuple[tuple[Any, Any, Any], ...]:
+        return self._bindings + self._to_tensors if self._watching_tensors else self._bindings
 
     def hold(self) -> bool:
-        for holder, key, value in self._bindings:
+        for holder, key, value in self._watched():
             if _held(holder, key) is not value:
                 return False
         return True
 
     def now(self) -> tuple[int, ...]:
         """Which objects the names hold now, by identity."""
-        return tuple(id(_held(holder, key)) for holder, key, _ in self._bindings)
+        return tuple(id(_held(holder, key)) for holder, key, _ in self._watched())
+
+
+def _unique(bindings: list[tuple[Any, Any, Any]]) -> tuple[tuple[Any, Any, Any], ...]:
+    """``bindings``, each name once."""
+    unique = {
+        (id(holder), key if type(key) in (str, int) else id(key)): (holder, key, value)
+        for holder, key, value in bindings
+    }
+    return tuple(unique.values())

@@ -802,7 +802,8 @@ class _RunnerWithEffects(_Runner):
             raise TorchCallError(
                 f"{self.name}: the modules it runs changed training mode (module.train() or .eval()), or "
                 f"had a submodule replaced, since jax.jit traced it (or a name it reads now holds another "
-                f"module or function: model = ..., a helper defined again), and now the function draws random "
+                f"module, function or state tensor: model = ..., a helper defined again, acc = torch.zeros(3)), "
+                f"and now the function draws random "
                 f"numbers or updates state it keeps other than it did, which its derivatives would draw or "
                 f"update a second time. Trace again after such a change: jax.clear_caches(), or a new "
                 f"jax.jit of it."
@@ -847,7 +848,7 @@ def _effect_duties(fun: TorchFn) -> tuple[bool, bool, bool]:
     variant = base.call_effects is not None  # a keeping or replaying call
     # NOTE [a name rebound after a call]: a function that runs no module may
     # name a helper that is defined again.
-    structure = getattr(base, "structure", None)
+    structure = getattr(getattr(base, "effects_root", None) or base, "structure", None)
     watched = bool(effects is not None and (effects.modes or (structure is not None and structure.watches_names())))
     checks_flags = watched and (derivative or variant)
     # Its draws must not fall between a value call's read of the generator

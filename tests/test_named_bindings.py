@@ -139,7 +139,7 @@ def test_under_jit_a_rebinding_that_changes_the_draws_is_refused_until_traced_ag
     def noise(x):  # noqa: F811 - defined again to draw
         return torch.nn.functional.dropout(x, 0.5)
 
-    with pytest.raises(Exception, match="a name it reads now holds another module or function"):
+    with pytest.raises(Exception, match="a name it reads now holds another module, function or state tensor"):
         f(x)
     g = t2j_ad.jaxify(lambda x: (noise(x) ** 2).sum())
     _against_torch_func(jax.jit(g), lambda t: (noise(t) ** 2).sum(), x)
@@ -193,3 +193,30 @@ def test_a_module_or_its_bound_forward_remembers_no_names():
     # Its submodules are NOTE [a submodule replaced after a call]'s business.
     linear = torch.nn.Linear(2, 2)
     assert len(BindingsSeen(linear)) == len(BindingsSeen(linear.forward)) == 0
+
+
+def test_a_state_tensor_bound_afresh_by_name_is_updated_once_per_step():
+    # A running sum kept in a global-like name; a later cell starts a fresh
+    # one: value_and_grad updated the new tensor twice (value and derivative
+    # call) and returned the gradient of the twice-updated state.
+    state = {"acc": torch.zeros(3, dtype=torch.float64, device=TORCH_DEVICE)}
+
+    def running(t):
+        state["acc"].add_(t.detach())
+        return (t * state["acc"]).sum()
+
+    f = t2j_ad.jaxify(running)
+    x = jnp.array([1.0, 2.0, 3.0])
+    jax.value_and_grad(f)(x)
+    state["acc"] = torch.full((3,), 10.0, dtype=torch.float64, device=TORCH_DEVICE)
+    twin = torch.full((3,), 10.0, dtype=torch.float64, device=TORCH_DEVICE)
+    for _ in range(2):
+        value, grad = jax.value_and_grad(f)(x)
+        twin.add_(to_torch(x))
+        assert_tree_allclose((value, grad), (float((to_torch(x) * twin).sum()), to_numpy(twin)))
+    assert_tree_allclose(to_numpy(state["acc"]), to_numpy(twin))
+    numbers = {"step": 0}
+    g = t2j_ad.jaxify(lambda t: t * numbers["step"])  # no state: numbers bound afresh are no change
+    for k in range(3):
+        numbers["step"] = k
+        assert_tree_allclose(g(x), x * k)
