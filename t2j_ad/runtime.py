@@ -142,9 +142,15 @@ def check_environment() -> None:
 
 def not_a_tensor(fn_name: str, where: str, value: object) -> TorchCallError:
     """The error for an output that is not a tensor; ``where`` names it."""
+    cache = (
+        " A cache object, such as the one transformers' models return unless called with use_cache=False, "
+        "stays on the PyTorch side: leave it out of the result."
+        if "cache" in type(value).__name__.lower()
+        else ""
+    )
     return TorchCallError(
         f"{fn_name}: {where} is {type(value).__name__} ({value!r:.60}), not a torch.Tensor; "
-        f"return tensors only (torch.tensor(value) for numbers)."
+        f"return tensors only (torch.tensor(value) for numbers).{cache}"
     )
 
 

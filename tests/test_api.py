@@ -837,3 +837,11 @@ def test_a_size_read_from_python_state_that_changed_names_the_fix():
         jax.block_until_ready(f(x))
     t2j_ad.clear_caches()
     assert_tree_allclose(f(x), 2 * x[:4])
+
+
+def test_a_cache_object_in_the_result_is_refused_naming_how_to_leave_it_out():
+    class DynamicCache:  # as transformers' decoder models return one by default
+        pass
+
+    with pytest.raises(t2j_ad.TorchCallError, match=r"output\[1\] is DynamicCache .*use_cache=False"):
+        t2j_ad.jaxify(lambda x: (x * 2, DynamicCache()))(jnp.ones(3))
