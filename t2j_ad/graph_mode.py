@@ -346,6 +346,8 @@ def _build_artifact(
         if base.__dict__.get("fallbacks", {}) != decided:  # NOTE [graph mode]: without the failed attempt
             with provisional(base):
                 graph = trace(impl, inputs, grad_enabled, *_referenced(base))
+    except OSError:  # not a trace's refusal: a time limit's TimeoutError, say, kept no eager path
+        raise
     except Exception as err:  # noqa: BLE001 - any failure: run eagerly (NOTE [graph mode])
         return Artifact(None, _reason(err)), None
     traced = time.perf_counter()

@@ -718,3 +718,26 @@ def test_vmap_over_an_empty_batch(vmap_method):
     f = t2j_ad.jaxify(lambda x: (torch.sin(x), x.sum()), vmap_method=vmap_method)
     x = jnp.zeros((0, 3), jnp.float32)
     assert_tree_allclose(jax.jit(jax.vmap(f))(x), jax.vmap(lambda x: (jnp.sin(x), x.sum()))(x))
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_time_limit_raised_during_a_first_vmap_attempt_is_not_taken_for_a_refusal(compile):
+    # A notebook's time limit (a signal handler raising TimeoutError) fired
+    # inside the first torch.vmap attempt or the trace: the call went on by
+    # the sequential loop (or eagerly), swallowing it, and kept that path.
+    fired = []
+
+    def slow(t):
+        if not fired:
+            fired.append(1)
+            raise TimeoutError("cell time limit exceeded")
+        return torch.sin(t) * 2
+
+    f = jax.jit(jax.vmap(t2j_ad.jaxify(slow, output_shapes=jax.ShapeDtypeStruct((3,), jnp.float32), compile=compile)))
+    xs = jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(Exception, match="cell time limit exceeded"):
+            jax.block_until_ready(f(xs))
+        assert_tree_allclose(f(xs), jnp.sin(xs) * 2, rtol=1e-6)
+    assert not [str(w.message) for w in caught if issubclass(w.category, t2j_ad.FallbackWarning)]

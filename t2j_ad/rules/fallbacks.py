@@ -467,7 +467,11 @@ def vmap_auto(
         # torch.vmap refuses in many ways (.item(), control flow, ops without
         # batching rules, Functions without vmap rules). If the loop works the
         # refusal was about vmap; if it fails too, the loop's error is the
-        # user's real error and propagates.
+        # user's real error and propagates. Not an OSError: vmap refuses with
+        # none, and a time limit's signal handler raises TimeoutError, which
+        # the loop would have swallowed, keeping the loop for good.
+        if isinstance(vmap_err, OSError):
+            raise
         result = sequential(*args)
         decided[("vmap", key)] = "sequential"
         warn_once(
