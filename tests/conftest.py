@@ -104,6 +104,23 @@ def assert_tree_allclose(actual, expected, *, rtol=None, atol=None, check_dtype=
 
 
 @pytest.fixture
+def traces(monkeypatch):
+    """One entry per graph-mode trace made during the test (its number of
+    inputs), in order."""
+    from t2j_ad import graph_mode
+
+    seen: list[int] = []
+    original = graph_mode.trace
+
+    def counting(fn, inputs, grad_enabled, *referenced):
+        seen.append(len(inputs))
+        return original(fn, inputs, grad_enabled, *referenced)
+
+    monkeypatch.setattr(graph_mode, "trace", counting)
+    return seen
+
+
+@pytest.fixture
 def x64():
     """Run the test with jax_enable_x64 on."""
     with jax.enable_x64(True):

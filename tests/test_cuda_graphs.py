@@ -9,6 +9,7 @@ run with T2J_AD_COMPILE=graph (scripts/run_gpu_checks.sh)."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -186,3 +187,25 @@ def test_a_first_run_that_raises_is_left_to_the_caller(monkeypatch):
     with pytest.warns(FallbackWarning, match="could not be captured"):
         assert call(DeviceStream("cuda:0"), torch.ones(2)) is None
     assert call.failed and call.graph is None
+
+
+def test_a_cuda_graph_whose_held_tensor_moved_is_no_longer_replayed():
+    # NOTE [the layouts a graph assumed]: the capture fixed w's address;
+    # after w.data = ... a replay would read the memory w no longer owns, so
+    # the call runs the aten graph instead.
+    w = torch.ones(3)
+    call = ReplayOnCpu(lambda x: (x * w,), "f", new_event=RecordedEvent, held=[w])
+    stream = RecordedStream("xla")
+    x = torch.arange(3.0)
+    assert torch.equal(call(stream, x)[0], x)  # the first call's own run
+    call.finished(stream)
+    w.add_(1.0)  # in place: the same memory, replayed
+    assert torch.equal(call(stream, x)[0], 2 * x)
+    call.finished(stream)
+    w.data = torch.full((3,), 5.0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert call(stream, x) is None
+        assert call(stream, x) is None  # once given up, for good, warned once
+    messages = [str(r.message) for r in record if issubclass(r.category, FallbackWarning)]
+    assert len(messages) == 1 and "moved to other memory" in messages[0]

@@ -34,20 +34,6 @@ from t2j_ad import graph_mode, output_buffers
 from t2j_ad.rules.fallbacks import FallbackWarning
 
 
-@pytest.fixture
-def traces(monkeypatch):
-    """The transform stacks traced during the test, in order."""
-    seen: list[str] = []
-    original = graph_mode.trace
-
-    def counting(fn, inputs, grad_enabled, *referenced):
-        seen.append(len(inputs))
-        return original(fn, inputs, grad_enabled, *referenced)
-
-    monkeypatch.setattr(graph_mode, "trace", counting)
-    return seen
-
-
 @contextlib.contextmanager
 def no_fallback():
     """Fail on any FallbackWarning: the function must really run as a graph."""

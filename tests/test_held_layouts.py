@@ -4,34 +4,14 @@ function called eagerly and against ``jax.numpy``."""
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 from conftest import TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
 
 import t2j_ad
-from t2j_ad import graph_mode
-from t2j_ad.cuda_graphs import CudaGraphCall
 from t2j_ad.held_layouts import HeldLayouts, referenced_tensors
-from t2j_ad.rules.fallbacks import FallbackWarning
-
-
-@pytest.fixture
-def traces(monkeypatch):
-    """How many traces ran during the test."""
-    seen: list[int] = []
-    original = graph_mode.trace
-
-    def counting(fn, inputs, grad_enabled, *referenced):
-        seen.append(len(inputs))
-        return original(fn, inputs, grad_enabled, *referenced)
-
-    monkeypatch.setattr(graph_mode, "trace", counting)
-    return seen
 
 
 def _both_modes(fn):
@@ -155,53 +135,3 @@ def test_referenced_tensors_are_those_the_function_names():
 
     found = referenced_tensors(f)
     assert {id(t) for t in found} == {id(w), id(table["b"])}  # a module's own tensors: not its layouts' business
-
-
-class _ReplayOnCpu(CudaGraphCall):
-    """Captures nothing: a "graph" whose replay runs the function from static
-    inputs into static outputs, as a CUDA graph replay does."""
-
-    def _first_call(self, inputs):
-        self.static_inputs = [torch.empty_like(t) for t in inputs]
-        results = tuple(self.run(*inputs))
-        self.static_outputs = tuple(torch.empty_like(out) for out in results)
-        call = self
-
-        class Graph:
-            def replay(self) -> None:
-                for static, out in zip(call.static_outputs, call.run(*call.static_inputs)):
-                    static.copy_(out)
-
-        self.graph = Graph()
-        return results
-
-
-class _Stream:
-    def wait_event(self, event) -> None:
-        pass
-
-
-class _Event:
-    def record(self, stream) -> None:
-        pass
-
-
-def test_a_cuda_graph_whose_held_tensor_moved_is_no_longer_replayed():
-    # The capture fixed w's address; after w.data = ... a replay would read
-    # the memory w no longer owns, so the call runs the aten graph instead.
-    w = torch.ones(3)
-    call = _ReplayOnCpu(lambda x: (x * w,), "f", new_event=_Event, held=[w])
-    stream = _Stream()
-    x = torch.arange(3.0)
-    assert torch.equal(call(stream, x)[0], x)  # the first call's own run
-    call.finished(stream)
-    w.add_(1.0)  # in place: the same memory, replayed
-    assert torch.equal(call(stream, x)[0], 2 * x)
-    call.finished(stream)
-    w.data = torch.full((3,), 5.0)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        assert call(stream, x) is None
-        assert call(stream, x) is None  # once given up, for good, warned once
-    messages = [str(r.message) for r in record if issubclass(r.category, FallbackWarning)]
-    assert len(messages) == 1 and "moved to other memory" in messages[0]
