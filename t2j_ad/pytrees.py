@@ -118,6 +118,20 @@ def _a_libraries_result(cls: type, leaf: Any) -> bool:
     return bool(held) and all(isinstance(t, torch.Tensor) or t is None for t in held)
 
 
+def _round_trips(leaf: Any, flatten: Any, unflatten: Any, flatten_with_keys: Any) -> bool:
+    """Whether ``leaf`` flattens (with keys too, where given) and unflattens
+    back to its own class."""
+    try:
+        children, context = flatten(leaf)
+        if flatten_with_keys is not None:
+            pairs, keyed_context = flatten_with_keys(leaf)
+            if len(pairs) != len(children) or keyed_context != context:
+                return False
+        return type(unflatten(context, children)) is type(leaf)
+    except Exception:  # noqa: BLE001 - any failure: not a node to register
+        return False
+
+
 def registered_from_torch(leaves: Iterable[Any]) -> bool:
     """Register with JAX's pytrees each class among ``leaves`` (values JAX
     took for leaves) that PyTorch's pytrees know (NOTE [PyTorch's pytree
@@ -137,9 +151,17 @@ def registered_from_torch(leaves: Iterable[Any]) -> bool:
             return node.unflatten_fn(list(children), context.value)
 
         def flatten_with_keys(obj: Any, node: Any = node) -> tuple[list[tuple[Any, Any]], _TorchContext]:
-            pairs, context = node.flatten_with_keys_fn(obj)
-            return [(_jax_key(key, i), child) for i, (key, child) in enumerate(pairs)], _TorchContext(context)
+            # The context unflatten_fn takes is flatten_fn's: flatten_with_keys_fn
+            # may give another (register_dataclass's leaves out the None fields).
+            children, context = node.flatten_fn(obj)
+            pairs, _ = node.flatten_with_keys_fn(obj)
+            keys = [key for key, _ in pairs] if len(pairs) == len(children) else [None] * len(children)
+            return [(_jax_key(key, i), child) for i, (key, child) in enumerate(zip(keys, children))], _TorchContext(
+                context
+            )
 
+        if not _round_trips(leaf, flatten, unflatten, flatten_with_keys if node.flatten_with_keys_fn else None):
+            continue  # JAX's registry is process-wide, with no way back: only a node that works
         try:
             if node.flatten_with_keys_fn is not None:
                 jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten_func=flatten)

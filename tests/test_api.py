@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -141,6 +142,29 @@ torch.utils._pytree.register_pytree_node(
     lambda values, keys: _ModelOutput(zip(keys, values)),
     flatten_with_keys_fn=lambda o: ([(torch.utils._pytree.MappingKey(k), v) for k, v in o.items()], list(o.keys())),
 )
+
+
+@dataclasses.dataclass
+class _Result:
+    """A result dataclass registered PyTorch's public way."""
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+    extra: torch.Tensor | None = None
+
+
+torch.utils._pytree.register_dataclass(_Result)
+
+
+def test_a_dataclass_registered_with_pytorchs_pytrees_is_returned_as_such():
+    # register_dataclass's keyed flatten gives another context than its
+    # unflatten takes: every call failed, and JAX's registry kept the broken node.
+    x = jnp.arange(3.0)
+    got = jax.jit(t2j_ad.jaxify(lambda x: _Result(x.sin().sum(), x * 2)))(x)
+    assert type(got) is _Result and got.extra is None
+    assert_tree_allclose((got.loss, got.logits), (jnp.sin(x).sum(), x * 2), rtol=1e-6)
+    paths, tree = jax.tree_util.tree_flatten_with_path(got)
+    assert type(jax.tree_util.tree_unflatten(tree, [leaf for _, leaf in paths])) is _Result
 
 
 class _Unregistered(dict):
