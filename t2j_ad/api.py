@@ -339,8 +339,8 @@ class JaxifiedFunction:
                 raise TorchCallError(f"{err}{hint}") from err
             inferred_on, inferred_runs = inferred.device, inferred.runs
             effects = inferred.effects
-            if effects.writes:  # NOTE [a name rebound after a call]: acc = torch.zeros(3) in a later cell
-                structure.watch_tensor_names()
+            if effects.writes.closed_over:  # NOTE [a name rebound after a call]: acc = torch.zeros(3) later
+                structure.watch_tensor_names(effects.writes.closed_over)
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred.outputs, is_leaf=_is_output_leaf)
             if registered_from_torch(leaf for _, leaf in with_paths):  # NOTE [PyTorch's pytree nodes in results]
                 with_paths, out_tree = jax.tree_util.tree_flatten_with_path(

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.nn.modules.module as _module_hooks  # public: torch.nn.modules.module.register_module_*_hook
 
 from .named_bindings import BindingsSeen
@@ -81,11 +82,11 @@ class StructureSeen:
         """Whether it remembers what some name the function reads holds."""
         return self._bindings is not None and len(self._bindings) > 0
 
-    def watch_tensor_names(self) -> None:
-        """Remember the names that hold the tensors the function names too
-        (it updates state in place: NOTE [a name rebound after a call])."""
+    def watch_tensor_names(self, written: Sequence[torch.Tensor]) -> None:
+        """Remember the names that hold ``written`` too, the tensors the
+        function updates in place (NOTE [a name rebound after a call])."""
         if self._bindings is not None:
-            self._bindings.watch_tensors()
+            self._bindings.watch_tensors(written)
 
     def holds(self) -> bool:
         if self._bindings is not None and not self._bindings.hold():

@@ -27,21 +27,24 @@ finds one rebound resolves the signature again, as after a submodule swap.
 A name that holds a number or an array is not remembered: rebinding those
 is what a loop does (``step += 1``, ``w = w - lr * g``), and changes no
 effect. Neither is a name that holds a tensor, unless the function updates
-state in place (``acc.add_(x)``): then a name bound to a fresh tensor
+that tensor in place (``acc.add_(x)``): then a name bound to a fresh one
 changes what it updates, and a value and its gradient had updated the new
-one twice. The look costs one lookup per remembered name per call (most
+one twice. A module's plain attributes that hold functions
+(``nn.TransformerEncoderLayer``'s ``activation``), and a ``forward`` set
+on one of the user's modules later, count as names too. The look costs one lookup per remembered name per call (most
 functions have one or two).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from .references import CELL, reachable, users_code
+from .references import CELL, a_callable, reachable, users_code
+from .state_writes import memory_of
 
 _GONE = object()
 
@@ -61,7 +64,10 @@ _CODE = _Attribute("__code__")
 def _held(holder: Any, key: Any) -> Any:
     """What ``holder`` holds under ``key`` now (``_GONE`` if nothing)."""
     if key is _CODE:
-        return getattr(holder, "__code__", _GONE)
+        try:
+            return holder.__code__
+        except Exception:  # noqa: BLE001 - a proxy's attribute access may raise anything
+            return _GONE
     if key is CELL:
         try:
             return holder.cell_contents
@@ -69,7 +75,7 @@ def _held(holder: Any, key: Any) -> Any:
             return _GONE
     try:
         return holder[key]
-    except (KeyError, IndexError, TypeError):
+    except Exception:  # noqa: BLE001 - a dict subclass's own __getitem__ may raise anything
         return _GONE
 
 
@@ -82,17 +88,23 @@ class BindingsSeen:
     those that hold its helper functions, with what each holds now;
     ``hold()``: whether each still holds the same object."""
 
-    __slots__ = ("_bindings", "_to_tensors", "_watching_tensors")
+    __slots__ = ("_fn", "_bindings")
 
     def __init__(self, fn: Callable[..., Any]) -> None:
-        to_tensors: list[tuple[Any, Any, Any]] = []
-        reachable(fn, lambda obj: isinstance(obj, torch.Tensor), bindings=to_tensors)
-        self._to_tensors = _unique([b for b in to_tensors if not callable(b[2])])
-        self._watching_tensors = False
+        self._fn = fn
         bindings: list[tuple[Any, Any, Any]] = []
         modules = reachable(fn, _is_module, bindings=bindings)
-        classes = {type(sub) for module in modules for sub in module.modules()}
-        for cls in classes:
+        subs = list({id(sub): sub for module in modules for sub in module.modules()}.values())
+        for sub in subs:
+            attributes = vars(sub)
+            for name, value in attributes.items():
+                # A function a module keeps as a plain attribute
+                # (nn.TransformerEncoderLayer's activation), or a forward set on it.
+                if a_callable(value) and not isinstance(value, (torch.nn.Module, type)):
+                    bindings.append((attributes, name, value))
+            if "forward" not in attributes and (users_code(type(sub).__module__) or any(sub is m for m in modules)):
+                bindings.append((attributes, "forward", _GONE))  # net.forward = other, later
+        for cls in {type(sub) for sub in subs}:
             forward = vars(cls).get("forward")
             if users_code(cls.__module__) and forward is not None:
                 bindings.append((vars(cls), "forward", forward))  # Net.forward = other
@@ -105,33 +117,41 @@ class BindingsSeen:
         self._bindings = _unique(bindings)
 
     def __len__(self) -> int:
-        return len(self._bindings) + (len(self._to_tensors) if self._watching_tensors else 0)
+        return len(self._bindings)
 
-    def watch_tensors(self) -> None:
-        """Remember the names on the way to the tensors the function names
-        too: it updates one in place (``acc.add_(x)``), so a name bound to a
-        fresh one (``acc = torch.zeros(3)`` in a later cell) changes what it
-        updates."""
-        self._watching_tensors = True
+    def watch_tensors(self, written: Sequence[torch.Tensor]) -> None:
+        """Remember the names on the way to ``written`` too, the tensors the
+        function updates in place (``acc.add_(x)``): a name bound to a fresh
+        one (``acc = torch.zeros(3)`` in a later cell) changes what it
+        updates. Only those: a name bound to another tensor the function
+        only reads (a schedule, the params of ``functional_call``) changes
+        no effect."""
+        ids = {id(t) for t in written}
+        memories = {memory_of(t) for t in written} - {None}
 
-    def _watched(self) -> tuple[tuple[Any, Any, Any], ...]:
-        return self._bindings + self._to_tensors if self._watching_tensors else self._bindings
+        def updated(obj: Any) -> bool:
+            return isinstance(obj, torch.Tensor) and (id(obj) in ids or memory_of(obj) in memories)
+
+        found: list[tuple[Any, Any, Any]] = []
+        reachable(self._fn, updated, bindings=found)
+        self._bindings = _unique([*self._bindings, *(b for b in found if not callable(b[2]))])
 
     def hold(self) -> bool:
-        for holder, key, value in self._watched():
+        for holder, key, value in self._bindings:
             if _held(holder, key) is not value:
                 return False
         return True
 
     def now(self) -> tuple[int, ...]:
         """Which objects the names hold now, by identity."""
-        return tuple(id(_held(holder, key)) for holder, key, _ in self._watched())
+        return tuple(id(_held(holder, key)) for holder, key, _ in self._bindings)
 
 
 def _unique(bindings: list[tuple[Any, Any, Any]]) -> tuple[tuple[Any, Any, Any], ...]:
-    """``bindings``, each name once."""
+    """``bindings``, each name once, and only those that can be read back
+    (a dict whose ``__getitem__`` raises is no name to look at per call)."""
     unique = {
         (id(holder), key if type(key) in (str, int) else id(key)): (holder, key, value)
         for holder, key, value in bindings
     }
-    return tuple(unique.values())
+    return tuple(b for b in unique.values() if _held(b[0], b[1]) is b[2])

@@ -46,12 +46,20 @@ def reachable(
 
     def follow(holder: Any, key: Any, value: Any, depth: int) -> bool:
         leads = visit(value, depth)
-        if bindings is not None and (leads or (callable(value) and not isinstance(value, types.ModuleType))):
+        if bindings is not None and (leads or a_callable(value)):
             bindings.append((holder, key, value))
         return leads
 
     def visit(obj: Any, depth: int) -> bool:
-        """Whether ``obj`` is wanted or leads to a wanted object."""
+        """Whether ``obj`` is wanted or leads to a wanted object; an object
+        that raises when looked at (a dead weak proxy, a lazy object not
+        ready) leads nowhere."""
+        try:
+            return look_into(obj, depth)
+        except Exception:  # noqa: BLE001 - the user's objects may raise anything when looked at
+            return False
+
+    def look_into(obj: Any, depth: int) -> bool:
         if wanted(obj):
             found.setdefault(id(obj), obj)
             return True
@@ -108,3 +116,12 @@ def users_code(name: str | None) -> bool:
     """Whether a module named ``name`` is the user's (or a library's other
     than PyTorch's, JAX's, NumPy's or Python's own)."""
     return not (name or "").startswith(_LIBRARIES)
+
+
+def a_callable(value: Any) -> bool:
+    """Whether ``value`` is a function or other callable (not a Python
+    module); False for one that raises when asked."""
+    try:
+        return callable(value) and not isinstance(value, types.ModuleType)
+    except Exception:  # noqa: BLE001 - a dead weak proxy raises ReferenceError
+        return False

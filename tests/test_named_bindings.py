@@ -4,6 +4,8 @@ signature was resolved (NOTE [a name rebound after a call]): held against
 
 from __future__ import annotations
 
+import weakref
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -153,9 +155,9 @@ def test_bindings_seen_are_the_names_on_the_way_to_modules_and_callables(rebound
         return model(x) * count + noise(x) * weights + models["encoder"](x) + torch.sin(x)
 
     seen = BindingsSeen(f)
-    # model, noise, models, models["encoder"], and the code of noise and f:
-    # not count, weights or torch
-    assert len(seen) == 6
+    # model, noise, models, models["encoder"], the code of noise and f, and
+    # a forward set later on either module: not count, weights or torch
+    assert len(seen) == 8
     assert seen.hold()
     count, weights = 4, torch.zeros(2)  # noqa: F841 - numbers and tensors: not remembered
     models["other"] = torch.nn.Identity()  # another entry: nothing f reads
@@ -189,10 +191,13 @@ def test_a_helper_a_modules_forward_calls_defined_again_is_seen(rebound):
     _against_torch_func(f, lambda t: net(t), x)
 
 
-def test_a_module_or_its_bound_forward_remembers_no_names():
+def test_a_module_or_its_bound_forward_remembers_only_a_forward_set_on_it():
     # Its submodules are NOTE [a submodule replaced after a call]'s business.
     linear = torch.nn.Linear(2, 2)
-    assert len(BindingsSeen(linear)) == len(BindingsSeen(linear.forward)) == 0
+    seen, bound = BindingsSeen(linear), BindingsSeen(linear.forward)
+    assert len(seen) == len(bound) == 1 and seen.hold() and bound.hold()
+    linear.forward = lambda x: x
+    assert not seen.hold() and not bound.hold()
 
 
 def test_a_state_tensor_bound_afresh_by_name_is_updated_once_per_step():
@@ -220,3 +225,73 @@ def test_a_state_tensor_bound_afresh_by_name_is_updated_once_per_step():
     for k in range(3):
         numbers["step"] = k
         assert_tree_allclose(g(x), x * k)
+
+
+class _KeepsItsActivation(torch.nn.Module):
+    """Keeps a function as a plain attribute, as nn.TransformerEncoderLayer
+    keeps ``activation``."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = torch.nn.functional.relu
+
+    def forward(self, x):
+        return self.act(x)
+
+
+def test_a_function_a_module_keeps_or_a_forward_set_on_it_later_is_seen():
+    net = _KeepsItsActivation()
+    identity = torch.nn.Identity()
+    f = t2j_ad.jaxify(lambda x: (net(x) ** 2).sum())
+    g = t2j_ad.jaxify(lambda x: (identity(x) ** 2).sum())
+    x = jnp.arange(1.0, 9.0)
+    for h in (f, g):
+        assert_tree_allclose(jax.grad(h)(x), 2 * x)
+    net.act = lambda t: torch.nn.functional.dropout(t, 0.5)  # a later cell
+    identity.forward = lambda t: torch.nn.functional.dropout(t, 0.5)
+    _against_torch_func(f, lambda t: (net(t) ** 2).sum(), x)
+    _against_torch_func(g, lambda t: (identity(t) ** 2).sum(), x, seed=1)
+
+
+class _Lazy(dict):
+    """A dict whose lookups raise until it is ready."""
+
+    def __getitem__(self, key):
+        raise RuntimeError("lazy object not ready")
+
+
+def test_names_that_cannot_be_read_back_are_not_looked_at(monkeypatch):
+    table = _Lazy(model=torch.nn.Identity())
+    proxy = weakref.proxy(torch.nn.Identity())  # dead already
+
+    def f(x):
+        return x * 2 if table or proxy is None else x
+
+    for _ in range(2):
+        assert_tree_allclose(t2j_ad.jaxify(f)(jnp.ones(3)), 2 * jnp.ones(3))
+    seen = BindingsSeen(f)
+    # The global table, a forward set later on its module, f's own code: not
+    # table["model"], which cannot be read back, nor the dead proxy.
+    assert seen.hold() and len(seen) == 3
+
+
+def test_a_tensor_the_function_only_reads_bound_afresh_resolves_nothing(monkeypatch):
+    # Only the tensors it updates count: a training loop that binds new
+    # parameters every step re-resolved (and traced) on every call.
+    resolved = []
+    original = api.JaxifiedFunction._resolve
+
+    def counting(self, *args):
+        resolved.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(api.JaxifiedFunction, "_resolve", counting)
+    norm = torch.nn.BatchNorm1d(3, dtype=torch.float64).to(TORCH_DEVICE)
+    scale = {"w": torch.ones(3, dtype=torch.float64, device=TORCH_DEVICE)}
+    f = t2j_ad.jaxify(lambda x: (norm(x) * scale["w"]).sum())
+    x = jnp.arange(12.0).reshape(4, 3)
+    for k in range(3):
+        scale["w"] = torch.full((3,), float(k), dtype=torch.float64, device=TORCH_DEVICE)
+        jax.grad(f)(x)
+    assert len(resolved) == 1
+    assert int(norm.num_batches_tracked) == 3
