@@ -505,7 +505,7 @@ def artifact_for(
     it (None if not: the caller runs the artifact itself)."""
     where = (transforms, inputs[0].device if inputs else None)
     cache: dict[Any, Artifact] = base.__dict__.setdefault("graphs", {})  # read by artifacts()
-    artifact = _holding(cache, where)
+    artifact, _ = _holding(cache, where)
     if artifact is not None:
         return artifact, None
     # Its own lock, not base.lock: build() takes that one, and a trace (an
@@ -515,8 +515,19 @@ def artifact_for(
     # this lock while the thread holding this lock waited for it.
     lock: threading.Lock = base.__dict__.setdefault("graph_lock", threading.Lock())
     with one_trial_run(), lock:
-        artifact = _holding(cache, where)
+        artifact, moved = _holding(cache, where)
         if artifact is not None:
+            return artifact, None
+        if moved and _retraced_for_layouts(base, where) > _RETRACES_FOR_LAYOUTS:
+            # NOTE [the layouts a graph assumed]: a tensor that changes size
+            # on every call (a memory bank grown by torch.cat) would trace
+            # on every call, slower than eager by far.
+            artifact = Artifact(
+                None,
+                f"a tensor it closes over changed its size, strides or dtype after {_RETRACES_FOR_LAYOUTS} of "
+                f"its traces (w.data = ... of another shape), and each change traces again",
+            )
+            cache[(*where, "layouts keep changing")] = artifact
             return artifact, None
         with recording_module_modes(getattr(base, "referenced_modules", ())) as recorder:
             artifact, first = _build_artifact(mode, impl, base, inputs, grad_enabled, out_specs)
@@ -534,14 +545,31 @@ def record_eager(base: Any, transforms: tuple[Any, ...], reason: str) -> None:
     cache.setdefault((transforms, "not traced", ()), Artifact(None, reason))
 
 
-def _holding(cache: dict[Any, Artifact], where: tuple[Any, Any]) -> Artifact | None:
+# How many traces of one TorchFn a change of its held tensors' layouts may
+# cause before it runs eagerly.
+_RETRACES_FOR_LAYOUTS = 3
+
+
+def _holding(cache: dict[Any, Artifact], where: tuple[Any, Any]) -> tuple[Artifact | None, bool]:
     """The artifact cached for ``where`` (transforms, device) whose modules
     have the training flags they were traced with, and whose held tensors
-    their layouts, if any."""
+    their layouts, if any; and whether one for these flags was found whose
+    held tensors changed layout."""
+    moved = False
     for key, artifact in list(cache.items()):
-        if key[:2] == where and artifact.holds():
-            return artifact
-    return None
+        if key[:2] == where:
+            if artifact.holds():
+                return artifact, False
+            moved = moved or (modes_hold(artifact.modes) and artifact.layouts is not None)
+    return None, moved
+
+
+def _retraced_for_layouts(base: Any, where: tuple[Any, Any]) -> int:
+    """Count one more trace of ``where`` caused by a held tensor's new
+    layout; how many so far."""
+    counts: dict[Any, int] = base.__dict__.setdefault("retraced_for_layouts", {})
+    counts[where] = counts.get(where, 0) + 1
+    return counts[where]
 
 
 def artifacts(base: Any) -> list[Artifact]:

@@ -20,7 +20,10 @@ globals, default arguments, a bound method's object), and is used only
 while they hold: a call that finds one changed traces again, as for a
 module's training flag (NOTE [a graph per training mode]), and the graph
 for the old layouts is dropped. ``.data =`` with a tensor of the same
-layout (a hand-written SGD step) keeps the graph. The look costs a few
+layout (a hand-written SGD step) keeps the graph. A function whose held
+tensors change layout after three such traces (a memory bank grown between
+calls) runs eagerly from then on, announced once: a trace per call is far
+slower than eager. The look costs a few
 tenths of a microsecond per tensor per call, and nothing for a function
 that holds none (``jaxify_module``'s parameters are inputs, not held).
 On CUDA, a captured CUDA graph fixed the held tensors' addresses as well

@@ -7,11 +7,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from conftest import TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
 
 import t2j_ad
 from t2j_ad.held_layouts import HeldLayouts, referenced_tensors
+from t2j_ad.rules.fallbacks import FallbackWarning
 
 
 def _both_modes(fn):
@@ -135,3 +137,20 @@ def test_referenced_tensors_are_those_the_function_names():
 
     found = referenced_tensors(f)
     assert {id(t) for t in found} == {id(w), id(table["b"])}  # a module's own tensors: not its layouts' business
+
+
+def test_a_tensor_that_changes_size_every_call_stops_tracing(traces):
+    # A memory bank grown between calls traced on every call, 25-50x slower
+    # than eager; after a few such traces the function runs eagerly.
+    bank = torch.ones(1, device=TORCH_DEVICE)
+
+    def f(x):
+        return x * bank.sum() + bank.shape[0]
+
+    g = jax.jit(t2j_ad.jaxify(f, compile="graph"))
+    x = jnp.arange(3.0)
+    with pytest.warns(FallbackWarning, match="changed its size, strides or dtype"):
+        for size in range(1, 9):
+            bank.data = torch.ones(size, device=TORCH_DEVICE)
+            assert_tree_allclose(g(x), x * size + size)
+    assert len(traces) == 4  # the first trace, and three for new sizes
