@@ -127,10 +127,9 @@ def _effects_finder(
     device: torch.device,
     modules: tuple[Any, ...],
     dicts: list[dict[Any, Any]],
-    tensors: tuple[torch.Tensor, ...],
 ) -> Callable[[], Any]:
     """What a new trial run of ``raw`` sees it do besides computing its outputs."""
-    return lambda: infer_outputs(raw, in_avals, name, device, modules, dicts, tensors).effects
+    return lambda: infer_outputs(raw, in_avals, name, device, modules, dicts).effects
 
 
 def _input_names(in_tree: Any, n: int) -> tuple[str, ...]:
@@ -303,8 +302,6 @@ class JaxifiedFunction:
         # name rebound after a call]
         structure = StructureSeen(modules, BindingsSeen(self.torch_fn))
         dicts = dicts_named_by(self.torch_fn, modules)  # NOTE [trial runs leave caches as they found them]
-        # NOTE [elements swapped through .data], NOTE [the layouts a graph assumed]
-        tensors = referenced_tensors(self.torch_fn)
         in_names = _input_names(in_tree, len(in_avals))
         if self.output_shapes is not None:
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(self.output_shapes)
@@ -326,7 +323,7 @@ class JaxifiedFunction:
             # NOTE [inference on the call's device] in inference.py
             call_on = torch_device(call_device(arrays))
             try:
-                inferred = infer_outputs(raw, in_avals, self.name, call_on, modules, dicts, tensors)
+                inferred = infer_outputs(raw, in_avals, self.name, call_on, modules, dicts)
             except InputMutationError as err:
                 if err.mutated is None:
                     raise
@@ -396,10 +393,11 @@ class JaxifiedFunction:
             effects=effects,
             # NOTE [derivatives replay the value's draws]: the effects for
             # the modules' training flags as they are now.
-            find_effects=None if effects is None else _effects_finder(raw, in_avals, self.name, call_on, modules, dicts, tensors),
+            find_effects=None if effects is None else _effects_finder(raw, in_avals, self.name, call_on, modules, dicts),
         )
         base.referenced_modules = modules  # type: ignore[attr-defined]
-        base.referenced_tensors = tensors  # type: ignore[attr-defined]
+        if self.compile != "eager":  # NOTE [the layouts a graph assumed]
+            base.referenced_tensors = referenced_tensors(self.torch_fn)  # type: ignore[attr-defined]
         base.structure = structure  # type: ignore[attr-defined]
         base.referenced_dicts = dicts  # type: ignore[attr-defined]
         base.in_names = in_names  # type: ignore[attr-defined]

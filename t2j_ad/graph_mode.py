@@ -188,15 +188,9 @@ def _fake_tensor_log_quiet() -> Iterator[None]:
         _FAKE_TENSOR_LOG.setLevel(level)
 
 
-def _referenced(
-    base: Any,
-) -> tuple[Sequence[dict[Any, Any]], Sequence[torch.nn.Module], Sequence[torch.Tensor]]:
-    """The dicts, modules and tensors ``base``'s function refers to (api sets them)."""
-    return (
-        getattr(base, "referenced_dicts", ()),
-        getattr(base, "referenced_modules", ()),
-        getattr(base, "referenced_tensors", ()),
-    )
+def _referenced(base: Any) -> tuple[Sequence[dict[Any, Any]], Sequence[torch.nn.Module]]:
+    """The dicts and modules ``base``'s function refers to (api sets them)."""
+    return getattr(base, "referenced_dicts", ()), getattr(base, "referenced_modules", ())
 
 
 @contextlib.contextmanager
@@ -226,19 +220,16 @@ def trace(
     grad_enabled: bool,
     dicts: Sequence[dict[Any, Any]] = (),
     modules: Sequence[torch.nn.Module] = (),
-    tensors: Sequence[torch.Tensor] = (),
 ) -> torch.fx.GraphModule:
     """``fn`` traced on fake versions of ``inputs`` into an aten graph;
     ``dicts``: those the function can reach, which keep no fake tensor
     (NOTE [trial runs leave caches as they found them]); ``modules``: those
-    it refers to (NOTE [trial runs wait for module calls]); ``tensors``:
-    those it names, whose elements keep no fake ones (NOTE [elements
-    swapped through .data])."""
+    it refers to (NOTE [trial runs wait for module calls])."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def run() -> torch.fx.GraphModule:
         # NOTE [trial runs do not write to real tensors]
-        with torch.autograd.set_grad_enabled(grad_enabled), trial_run(dicts, modules, tensors) as attributes:
+        with torch.autograd.set_grad_enabled(grad_enabled), trial_run(dicts, modules) as attributes:
             # _allow_non_fake_inputs: tensors the function closes over (module
             # buffers) become graph constants, held by reference; their values
             # stay out of Python (NOTE [values a graph would keep]). NOTE

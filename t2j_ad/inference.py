@@ -115,7 +115,6 @@ def _run(
     make: Callable[..., torch.Tensor] = torch.zeros,
     modules: Sequence[torch.nn.Module] = (),
     dicts: Sequence[dict[Any, Any]] = (),
-    tensors: Sequence[torch.Tensor] = (),
 ) -> tuple[Any, Effects]:
     """``fn``'s outputs on inputs made on ``device`` by ``make`` (zeros, or
     empty on meta), and what else it did; ``modules``: those it refers to
@@ -131,7 +130,7 @@ def _run(
         # Grad mode on and autocast off, as the call it infers for runs (NOTE
         # [calls run with grad mode on], NOTE [calls run without the caller's
         # autocast] in runtime.py).
-        with torch.enable_grad(), torch._C._DisableAutocast(), recording_module_modes(modules) as modes, trial_run(dicts, modules, tensors) as run, RandomOpsSeen() as random_ops:
+        with torch.enable_grad(), torch._C._DisableAutocast(), recording_module_modes(modules) as modes, trial_run(dicts, modules) as run, RandomOpsSeen() as random_ops:
             with LayoutDependentDraws() as layouts, seen_autocast:
                 outputs = fn(*inputs)
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
@@ -182,18 +181,16 @@ def infer_outputs(
     device: torch.device = _CPU,
     modules: Sequence[torch.nn.Module] = (),
     dicts: Sequence[dict[Any, Any]] = (),
-    tensors: Sequence[torch.Tensor] = (),
 ) -> Inferred:
     """Run ``fn`` on meta tensors, else on zeros (and ones: NOTE [a second
     run, on ones]) on ``device``, the call's (then on the other devices
     ``devices_to_try`` names: NOTE [inference on the call's device]); return
     what it returned, and where. ``dicts``: those ``fn`` can reach
-    (``trial_caches.dicts_named_by``); ``tensors``: those it names
-    (``held_layouts.referenced_tensors``). ``modules``: the modules ``fn`` refers to,
+    (``trial_caches.dicts_named_by``). ``modules``: the modules ``fn`` refers to,
     whose training flags its effects depend on (NOTE [a graph per training
     mode] in module_modes.py)."""
     try:
-        outputs, effects = _run(fn, avals, _META, name, modules=modules, dicts=dicts, tensors=tensors)
+        outputs, effects = _run(fn, avals, _META, name, modules=modules, dicts=dicts)
         return Inferred(outputs, _META, effects)
     except _RAISED_AS_THEY_ARE:
         raise
@@ -202,19 +199,18 @@ def infer_outputs(
     first: tuple[torch.device, Exception] | None = None
     for where in devices_to_try(device):
         try:
-            outputs, effects = _run(fn, avals, where, name, modules=modules, dicts=dicts, tensors=tensors)
+            outputs, effects = _run(fn, avals, where, name, modules=modules, dicts=dicts)
         except _RAISED_AS_THEY_ARE:
             raise
         except Exception as err:  # noqa: BLE001 - reported below if no device works
             first = first or (where, err)
             continue
-        checked = _checked_on_ones(fn, avals, where, name, outputs, effects, modules, dicts, tensors)
-        return Inferred(outputs, where, checked)
+        return Inferred(outputs, where, _checked_on_ones(fn, avals, where, name, outputs, effects, modules, dicts))
     # NOTE [inference on ones when zeros fail]
     on_ones: Exception | None = None
     for where in devices_to_try(device):
         try:
-            outputs, effects = _run(fn, avals, where, name, torch.ones, modules, dicts, tensors)
+            outputs, effects = _run(fn, avals, where, name, torch.ones, modules, dicts)
         except _RAISED_AS_THEY_ARE:
             raise
         except Exception as err:  # noqa: BLE001 - reported below with the error on zeros
@@ -267,14 +263,13 @@ def _checked_on_ones(
     on_zeros: Effects,
     modules: Sequence[torch.nn.Module],
     dicts: Sequence[dict[Any, Any]],
-    tensors: Sequence[torch.Tensor],
 ) -> Effects:
     """The effects of a function whose shapes the call on zeros gave, also
     as a call on ones sees them; raises for an output whose shape depends
     on the input's values (NOTE [a second run, on ones])."""
     empty = _first_empty(outputs) is not None
     try:
-        on_ones, ones_effects = _run(fn, avals, where, name, torch.ones, modules, dicts, tensors)
+        on_ones, ones_effects = _run(fn, avals, where, name, torch.ones, modules, dicts)
     except _RAISED_AS_THEY_ARE:
         raise
     except Exception as err:  # noqa: BLE001 - only an empty output needs the run on ones

@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # private: see the NOTE
 
 from .module_locks import acquire, in_lock_order, release
@@ -211,22 +212,56 @@ def _elements_of(value: Any) -> tuple[torch.Tensor, Any] | None:
 # cannot replay either.
 
 
-@contextlib.contextmanager
-def _elements_kept(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
-    """Within the block, ``tensors`` may have their elements swapped
-    (``buf.data = buf.data + x``); when it ends, each has those it had
-    (NOTE [elements swapped through .data]: a closed-over accumulator was
-    one step ahead after the runs that infer shapes, and a trace left it
-    holding a fake tensor)."""
-    kept = [(t, elements) for t in tensors if (elements := _elements_of(t)) is not None]
-    try:
-        yield
-    finally:
-        for tensor, (alias, at) in kept:
+# ``Tensor.data``, whose setter a TorchFunctionMode sees as this descriptor's ``__set__``.
+_DATA = torch._C.TensorBase.__dict__["data"]
+
+
+def sets_data(func: Any) -> bool:
+    """Whether ``func``, as a TorchFunctionMode sees it, is ``Tensor.data``'s setter."""
+    return getattr(func, "__self__", None) is _DATA and getattr(func, "__name__", "") == "__set__"
+
+
+class _DataSwapsUndone(TorchFunctionMode):
+    """Within the block, notes each tensor whose elements are swapped with
+    ``.data =`` (any tensor, however deep the function reached it: a
+    closed-over accumulator, ``st.inner.count``, a buffer of a module it
+    names but does not run), with an alias of those it had;
+    ``undo()`` gives each back its own (NOTE [elements swapped through
+    .data]: the runs that infer shapes put a closed-over accumulator three
+    steps ahead, and a trace left one holding a fake tensor, failing every
+    call, in plain PyTorch too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._swapped: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, Any]]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if sets_data(func) and args:
+            tensor = args[0]
+            if id(tensor) not in self._swapped:
+                elements = _elements_of(tensor)
+                if elements is not None:
+                    self._swapped[id(tensor)] = (tensor, elements)
+        return func(*args, **(kwargs or {}))
+
+    def undo(self) -> None:
+        for tensor, (alias, at) in reversed(list(self._swapped.values())):
             now = _elements_of(tensor)
             if now is None or now[1] != at:
                 with _disable_current_modes():
                     tensor.data = alias
+        self._swapped.clear()
+
+
+@contextlib.contextmanager
+def _data_swaps_undone() -> Iterator[None]:
+    """Within the block, ``.data =`` swaps are noted; when it ends, undone."""
+    swaps = _DataSwapsUndone()
+    try:
+        with swaps:
+            yield
+    finally:
+        swaps.undo()
 
 
 class ModuleAttributesKept:
@@ -534,20 +569,17 @@ def one_trial_run() -> threading.RLock:
 
 
 @contextlib.contextmanager
-def trial_run(
-    dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = (), tensors: Iterable[torch.Tensor] = ()
-) -> Iterator[TrialRun]:
+def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()) -> Iterator[TrialRun]:
     """A run of the user's function made only to learn something: the real
     tensors it closes over, the attributes of the modules it runs, the
     tensors in ``dicts`` and in those modules' dicts (its caches), the
-    elements of ``tensors`` (those it names, against ``.data =``), and
-    PyTorch's random state are as they were when the block ends (NOTE [trial
-    runs do not write to real tensors], NOTE [random state in trial runs],
-    NOTE [trial runs leave caches as they found them], NOTE [elements
-    swapped through .data]); yields what records the attributes it rebound
-    and the state it wrote. One at a time in the process (NOTE [one trial
-    run at a time])."""
-    with _one_trial_run, _in_trial_run(), _elements_kept(tensors):
+    elements of any tensor it swaps with ``.data =``, and PyTorch's random
+    state are as they were when the block ends (NOTE [trial runs do not
+    write to real tensors], NOTE [random state in trial runs], NOTE [trial
+    runs leave caches as they found them], NOTE [elements swapped through
+    .data]); yields what records the attributes it rebound and the state it
+    wrote. One at a time in the process (NOTE [one trial run at a time])."""
+    with _one_trial_run, _in_trial_run(), _data_swaps_undone():
         under = list(dict.fromkeys(sub for module in modules for sub in module.modules()))
         locks = in_lock_order(m for m in under if m._parameters or m._buffers)
         acquire(locks)

@@ -57,6 +57,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode  # private, as in real_writes.py
 
 from .random_state import SeedWatch
+from .real_writes import sets_data
 
 
 class NotTraceable(RuntimeError):
@@ -137,8 +138,6 @@ _FRESH_CONSTANTS = frozenset({_aten.lift_fresh.default, _aten.lift_fresh_copy.de
 _MASK_DTYPES = (torch.bool, torch.uint8)
 # Python-level reads that never reach the dispatcher.
 _PYTHON_READS = frozenset({torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__})
-# ``Tensor.data``, whose setter a TorchFunctionMode sees as this descriptor's ``__set__``.
-_DATA = torch._C.TensorBase.__dict__["data"]
 
 
 def _refusal(what: str) -> NotTraceable:
@@ -221,7 +220,7 @@ class _PythonReadRefuser(TorchFunctionMode):
         self._noted = noted
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__":
+        if sets_data(func):
             # Noted, not raised: the rebinding itself still happens (t2j_ad's
             # own put-back of a module's elements goes through here too).
             _noted(

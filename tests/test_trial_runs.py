@@ -749,17 +749,34 @@ def test_a_trace_that_fills_a_dict_cache_keeps_its_graph():
     assert all(t.device == TORCH_DEVICE and not t.is_meta for t in tables.values())
 
 
+class _Holder:
+    """A plain object, holding another: ``st.inner.count``."""
+
+    def __init__(self, **attributes):
+        self.__dict__.update(attributes)
+
+
+@pytest.mark.parametrize("where", ["closure", "two_objects_down", "module_not_run"])
 @pytest.mark.parametrize("mode", ["eager", "graph"])
-def test_a_closed_over_accumulator_rebound_through_data_counts_real_calls_only(mode):
-    # The runs that infer shapes swapped its elements too: eager was one step
-    # ahead (2, 3, 4), and a trace left it holding a fake tensor, so every
+def test_a_closed_over_accumulator_rebound_through_data_counts_real_calls_only(mode, where):
+    # The runs that infer shapes swapped its elements too: eager was one to
+    # three steps ahead, and a trace left it holding a fake tensor, so every
     # call failed and the tensor stayed broken in PyTorch. Found by the
     # eighth fuzzing pass.
     buf = torch.zeros(3, device=TORCH_DEVICE)
+    st = _Holder(inner=_Holder(count=buf))
+    module = torch.nn.Module()
+    module.register_buffer("count", buf)
+    reach = {
+        "closure": lambda: buf,
+        "two_objects_down": lambda: st.inner.count,
+        "module_not_run": lambda: module.count,
+    }[where]
 
     def accumulate(x):
-        buf.data = buf.data + x
-        return buf * 1.0
+        held = reach()
+        held.data = held.data + x
+        return held * 1.0
 
     f = t2j_ad.jaxify(accumulate, compile=mode)
     with warnings.catch_warnings():
