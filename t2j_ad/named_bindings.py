@@ -79,6 +79,21 @@ def _held(holder: Any, key: Any) -> Any:
         return _GONE
 
 
+class _Same:
+    """An object as a key: equal only to itself, whatever its ``__eq__``."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
 def _is_module(obj: Any) -> bool:
     return isinstance(obj, torch.nn.Module)
 
@@ -142,9 +157,10 @@ class BindingsSeen:
                 return False
         return True
 
-    def now(self) -> tuple[int, ...]:
-        """Which objects the names hold now, by identity."""
-        return tuple(id(_held(holder, key)) for holder, key, _ in self._bindings)
+    def now(self) -> tuple[_Same, ...]:
+        """Which objects the names hold now, by identity (kept alive with
+        what they key, so no other object takes their ids)."""
+        return tuple(_Same(_held(holder, key)) for holder, key, _ in self._bindings)
 
 
 def _unique(bindings: list[tuple[Any, Any, Any]]) -> tuple[tuple[Any, Any, Any], ...]:

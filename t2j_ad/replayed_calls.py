@@ -252,8 +252,15 @@ def effects(base: BaseFn) -> Effects:
         key = (tuple(module.training for module, _ in seen.modes), None if structure is None else structure.now())
         found = by_modes.get(key)
         if found is None:
+            if len(by_modes) >= _EFFECTS_KEPT:  # a name a loop binds afresh each step: no end of keys
+                by_modes.clear()
             found = by_modes[key] = base.find_effects()
     return found
+
+
+# How many settings of a function's flags, submodules and names the effects
+# of are kept (NOTE [a name rebound after a call]).
+_EFFECTS_KEPT = 16
 
 
 def effects_held() -> threading.RLock:

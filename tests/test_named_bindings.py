@@ -295,3 +295,23 @@ def test_a_tensor_the_function_only_reads_bound_afresh_resolves_nothing(monkeypa
         jax.grad(f)(x)
     assert len(resolved) == 1
     assert int(norm.num_batches_tracked) == 3
+
+
+def test_a_callable_bound_afresh_every_step_under_jit_keeps_few_effects(rebound):
+    # Each new partial is another object: its effects are looked up again,
+    # and the ones kept per function stay few (they had grown by one a step).
+    import functools
+
+    from t2j_ad import replayed_calls
+
+    global noise
+    noise = functools.partial(torch.mul, other=2.0)
+    f = t2j_ad.jaxify(lambda x: (noise(x) ** 2).sum())
+    step = jax.jit(jax.value_and_grad(f))
+    x = jnp.arange(1.0, 4.0)
+    for k in range(40):
+        noise = functools.partial(torch.mul, other=2.0)
+        value, grad = step(x)
+        assert_tree_allclose((value, grad), ((4 * x**2).sum(), 8 * x))
+    bases = [entry.base for entry in f._cache.values()]
+    assert all(len(b.__dict__.get("effects_by_modes", {})) <= replayed_calls._EFFECTS_KEPT for b in bases)
