@@ -21,7 +21,7 @@ from . import graph_mode
 from .graph_mode import resolve_compile_mode
 from . import replayed_calls
 from .inference import infer_outputs
-from .held_layouts import referenced_tensors
+from .held_layouts import named_tensors
 from .module_modes import referenced_modules
 from .module_structure import StructureSeen
 from .named_bindings import BindingsSeen
@@ -397,7 +397,8 @@ class JaxifiedFunction:
         )
         base.referenced_modules = modules  # type: ignore[attr-defined]
         if self.compile != "eager":  # NOTE [the layouts a graph assumed]
-            base.referenced_tensors = referenced_tensors(self.torch_fn)  # type: ignore[attr-defined]
+            # Found again by each trace: a notebook binds new weights to the names.
+            base.named_tensors = functools.partial(named_tensors, self.torch_fn)  # type: ignore[attr-defined]
         base.structure = structure  # type: ignore[attr-defined]
         base.referenced_dicts = dicts  # type: ignore[attr-defined]
         base.in_names = in_names  # type: ignore[attr-defined]

@@ -343,7 +343,8 @@ def _build_artifact(
         return Artifact(None, _reason(err)), None
     traced = time.perf_counter()
     # NOTE [the layouts a graph assumed]: as the trace saw them.
-    layouts = HeldLayouts([*graph_constants(graph), *getattr(base, "referenced_tensors", ())])
+    named = getattr(base, "named_tensors", None)  # where the tensors its function names are now
+    layouts = HeldLayouts(graph_constants(graph), named=named() if named is not None else ())
     constants = WrittenConstants(graph) if mode == "inductor" else None
     try:
         first, dropped = checked_first_run(impl, graph, inputs, grad_enabled)  # NOTE [checking a trace against eager]

@@ -14,10 +14,11 @@ of ``x * w.shape[0]`` computed ``x * 4`` where eager computes ``x * 2``, and
 failed once the parameter was replaced by a transposed tensor.
 
 So each graph records the size, stride, storage offset and dtype of every
-tensor it holds (``get_attr`` constants) and of every tensor its function
-reaches without taking it as an input (``references.reachable``: closures,
-globals, default arguments, a bound method's object), and is used only
-while they hold: a call that finds one changed traces again, as for a
+tensor it holds (``get_attr`` constants) and of the tensor at every name its
+function reaches a tensor by without taking it as an input
+(``references.reachable``: a closure cell, a global, a dict entry, a plain
+object's attribute; looked up again on each call, and not kept alive: a
+notebook binds new weights to the name), and is used only while they hold: a call that finds one changed traces again, as for a
 module's training flag (NOTE [a graph per training mode]), and the graph
 for the old layouts is dropped. ``.data =`` with a tensor of the same
 layout (a hand-written SGD step) keeps the graph. A function whose held
@@ -33,12 +34,12 @@ On CUDA, a captured CUDA graph fixed the held tensors' addresses as well
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from .references import reachable
+from .references import held_at, reachable
 
 _sizes = torch.Tensor.size
 _strides = torch.Tensor.stride
@@ -46,11 +47,19 @@ _offsets = torch.Tensor.storage_offset
 _dtype = operator.attrgetter("dtype")
 
 
-def referenced_tensors(fn: Callable[..., Any]) -> tuple[torch.Tensor, ...]:
-    """The tensors ``fn`` refers to without taking them as arguments (its
-    closure, globals, default arguments, a bound method's object: NOTE [the
-    layouts a graph assumed])."""
-    return tuple(reachable(fn, lambda obj: isinstance(obj, torch.Tensor)))
+def named_tensors(fn: Callable[..., Any]) -> list[tuple[Any, Any]]:
+    """Where the tensors ``fn`` names without taking them as arguments are
+    (a closure cell, a global, a dict entry, a plain object's attribute:
+    ``(holder, key)`` for ``references.held_at``), so each call can look at
+    the tensor there now (NOTE [the layouts a graph assumed])."""
+    bindings: list[tuple[Any, Any, Any]] = []
+    reachable(fn, lambda obj: isinstance(obj, torch.Tensor), bindings=bindings)
+    slots = {(id(h), k if type(k) in (str, int) else id(k)): (h, k) for h, k, v in bindings if _a_tensor(v)}
+    return list(slots.values())
+
+
+def _a_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
 
 
 def _strided(tensor: torch.Tensor) -> bool:
@@ -68,22 +77,28 @@ def _layouts(tensors: tuple[torch.Tensor, ...]) -> tuple[list[Any], ...]:
 
 
 class HeldLayouts:
-    """The layouts ``tensors`` have now; ``hold()``: whether they still do."""
+    """The layouts of ``tensors`` (held) and of the tensors at ``named``
+    (``named_tensors``: looked up again on every call, since a notebook
+    binds new weights to a name, and not kept alive) now; ``hold()``:
+    whether they still have them."""
 
-    __slots__ = ("_tensors", "_seen")
+    __slots__ = ("_tensors", "_named", "_seen")
 
-    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
-        unique = {id(t): t for t in tensors if _strided(t)}
-        self._tensors = tuple(unique.values())
-        self._seen = _layouts(self._tensors)
+    def __init__(self, tensors: Iterable[torch.Tensor], named: Sequence[tuple[Any, Any]] = ()) -> None:
+        self._tensors = tuple({id(t): t for t in tensors if _strided(t)}.values())
+        self._named = tuple((h, k) for h, k in named if isinstance(t := held_at(h, k), torch.Tensor) and _strided(t))
+        self._seen = _layouts(self._now())
 
     def __len__(self) -> int:
-        return len(self._tensors)
+        return len(self._tensors) + len(self._named)
+
+    def _now(self) -> tuple[Any, ...]:
+        return self._tensors + tuple(held_at(h, k) for h, k in self._named) if self._named else self._tensors
 
     def hold(self) -> bool:
         """Whether every tensor has the size, stride, storage offset and
-        dtype it had."""
+        dtype it had (and every name still holds a tensor)."""
         try:
-            return _layouts(self._tensors) == self._seen
-        except RuntimeError:  # one became sparse or nested (``.data =``): no strides now
+            return _layouts(self._now()) == self._seen
+        except (RuntimeError, TypeError, AttributeError):  # no strides now (sparse, nested), or no tensor
             return False

@@ -43,10 +43,9 @@ from typing import Any
 
 import torch
 
-from .references import CELL, a_callable, reachable, users_code
+from .references import GONE, a_callable, held_at, reachable, users_code
 from .state_writes import memory_of
 
-_GONE = object()
 
 
 class _Attribute:
@@ -62,21 +61,13 @@ _CODE = _Attribute("__code__")
 
 
 def _held(holder: Any, key: Any) -> Any:
-    """What ``holder`` holds under ``key`` now (``_GONE`` if nothing)."""
+    """What ``holder`` holds under ``key`` now (``GONE`` if nothing)."""
     if key is _CODE:
         try:
             return holder.__code__
         except Exception:  # noqa: BLE001 - a proxy's attribute access may raise anything
-            return _GONE
-    if key is CELL:
-        try:
-            return holder.cell_contents
-        except ValueError:  # an empty cell
-            return _GONE
-    try:
-        return holder[key]
-    except Exception:  # noqa: BLE001 - a dict subclass's own __getitem__ may raise anything
-        return _GONE
+            return GONE
+    return held_at(holder, key)
 
 
 class _Same:
@@ -118,7 +109,7 @@ class BindingsSeen:
                 if a_callable(value) and not isinstance(value, (torch.nn.Module, type)):
                     bindings.append((attributes, name, value))
             if "forward" not in attributes and (users_code(type(sub).__module__) or any(sub is m for m in modules)):
-                bindings.append((attributes, "forward", _GONE))  # net.forward = other, later
+                bindings.append((attributes, "forward", GONE))  # net.forward = other, later
         for cls in {type(sub) for sub in subs}:
             forward = vars(cls).get("forward")
             if users_code(cls.__module__) and forward is not None:

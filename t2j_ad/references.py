@@ -125,3 +125,22 @@ def a_callable(value: Any) -> bool:
         return callable(value) and not isinstance(value, types.ModuleType)
     except Exception:  # noqa: BLE001 - a dead weak proxy raises ReferenceError
         return False
+
+
+# What held_at answers for a name that holds nothing now.
+GONE = object()
+
+
+def held_at(holder: Any, key: Any) -> Any:
+    """What ``holder`` (a closure cell, for ``CELL``; else a dict, list or
+    other mapping) holds under ``key`` now; ``GONE`` if nothing, or if
+    looking raises (a dict subclass's own ``__getitem__`` may raise anything)."""
+    if key is CELL:
+        try:
+            return holder.cell_contents
+        except ValueError:  # an empty cell
+            return GONE
+    try:
+        return holder[key]
+    except Exception:  # noqa: BLE001 - the user's containers may raise anything
+        return GONE

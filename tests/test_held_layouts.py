@@ -12,7 +12,8 @@ import torch
 from conftest import TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
 
 import t2j_ad
-from t2j_ad.held_layouts import HeldLayouts, referenced_tensors
+from t2j_ad.held_layouts import HeldLayouts, named_tensors
+from t2j_ad.references import held_at
 from t2j_ad.rules.fallbacks import FallbackWarning
 
 
@@ -127,7 +128,7 @@ def test_held_layouts_skip_tensors_without_strides():
     assert len(held) == 1 and held.hold()
 
 
-def test_referenced_tensors_are_those_the_function_names():
+def test_named_tensors_are_where_the_function_finds_its_tensors():
     w = torch.ones(2)
     table = {"b": torch.zeros(3)}
     module = torch.nn.Linear(2, 2)
@@ -135,8 +136,8 @@ def test_referenced_tensors_are_those_the_function_names():
     def f(x):
         return module(x) * w + table["b"].sum()
 
-    found = referenced_tensors(f)
-    assert {id(t) for t in found} == {id(w), id(table["b"])}  # a module's own tensors: not its layouts' business
+    found = [held_at(holder, key) for holder, key in named_tensors(f)]
+    assert {id(t) for t in found} == {id(w), id(table["b"])}  # a module's own tensors: its own business
 
 
 def test_a_tensor_that_changes_size_every_call_stops_tracing(traces):
@@ -154,3 +155,22 @@ def test_a_tensor_that_changes_size_every_call_stops_tracing(traces):
             bank.data = torch.ones(size, device=TORCH_DEVICE)
             assert_tree_allclose(g(x), x * size + size)
     assert len(traces) == 4  # the first trace, and three for new sizes
+
+
+def test_a_tensor_the_function_only_names_is_not_kept_alive():
+    # Weakly looked at: a notebook that binds new weights to the name frees
+    # the old ones (a graph kept a copy of every closed-over model's weights).
+    import gc
+    import weakref
+
+    box = {"w": torch.ones(4, device=TORCH_DEVICE)}
+    probe = weakref.ref(box["w"])
+    f = t2j_ad.jaxify(lambda x: x * box["w"].shape[0], compile="graph")
+    x = jnp.arange(3.0)
+    assert_tree_allclose(f(x), 4 * x)
+    box["w"] = torch.ones(2, device=TORCH_DEVICE)
+    gc.collect()
+    assert probe() is None
+    assert_tree_allclose(f(x), 2 * x)
+    box["w"] = torch.ones(7, device=TORCH_DEVICE)  # the tensor named now is looked at, not the first
+    assert_tree_allclose(f(x), 7 * x)
