@@ -111,10 +111,14 @@ class BindingsSeen:
             if "forward" not in attributes and (users_code(type(sub).__module__) or any(sub is m for m in modules)):
                 bindings.append((attributes, "forward", GONE))  # net.forward = other, later
         for cls in {type(sub) for sub in subs}:
-            forward = vars(cls).get("forward")
-            if users_code(cls.__module__) and forward is not None:
-                bindings.append((vars(cls), "forward", forward))  # Net.forward = other
-                reachable(forward, _is_module, bindings=bindings)
+            for klass in cls.__mro__:  # a forward inherited from a base class of the user's
+                if not users_code(klass.__module__):
+                    break
+                forward = vars(klass).get("forward", GONE)
+                bindings.append((vars(klass), "forward", forward))  # Net.forward = other
+                if forward is not GONE:
+                    reachable(forward, _is_module, bindings=bindings)
+                    break
         functions = [value for _, _, value in bindings if inspect.isfunction(value)]
         root = getattr(fn, "__func__", fn)
         if inspect.isfunction(root) and users_code(root.__module__):

@@ -315,3 +315,31 @@ def test_a_callable_bound_afresh_every_step_under_jit_keeps_few_effects(rebound)
         assert_tree_allclose((value, grad), ((4 * x**2).sum(), 8 * x))
     bases = [entry.base for entry in f._cache.values()]
     assert all(len(b.__dict__.get("effects_by_modes", {})) <= replayed_calls._EFFECTS_KEPT for b in bases)
+
+
+class _Base(torch.nn.Module):
+    def forward(self, x):
+        return (noise(x) ** 2).sum()
+
+
+class _Inherits(_Base):
+    """Its forward is its base class's."""
+
+
+def test_a_helper_an_inherited_forward_calls_or_the_base_forward_patched_is_seen(rebound):
+    global noise
+    net = _Inherits()
+    f = t2j_ad.jaxify(lambda x: net(x))
+    x = jnp.arange(1.0, 9.0)
+    assert_tree_allclose(jax.grad(f)(x), 2 * x)
+
+    def noise(x):  # noqa: F811 - the helper's cell run again, edited
+        return torch.nn.functional.dropout(x, 0.5)
+
+    _against_torch_func(f, lambda t: net(t), x)
+    forward = _Base.forward
+    _Base.forward = lambda self, x: (torch.nn.functional.dropout(x, 0.2) ** 2).sum()
+    try:
+        _against_torch_func(f, lambda t: net(t), x, seed=1)
+    finally:
+        _Base.forward = forward
