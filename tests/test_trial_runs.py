@@ -749,7 +749,7 @@ def test_a_trace_that_fills_a_dict_cache_keeps_its_graph():
     assert all(t.device == TORCH_DEVICE and not t.is_meta for t in tables.values())
 
 
-class _Holder:
+class _PlainObject:
     """A plain object, holding another: ``st.inner.count``."""
 
     def __init__(self, **attributes):
@@ -764,7 +764,7 @@ def test_a_closed_over_accumulator_rebound_through_data_counts_real_calls_only(m
     # call failed and the tensor stayed broken in PyTorch. Found by the
     # eighth fuzzing pass.
     buf = torch.zeros(3, device=TORCH_DEVICE)
-    st = _Holder(inner=_Holder(count=buf))
+    st = _PlainObject(inner=_PlainObject(count=buf))
     module = torch.nn.Module()
     module.register_buffer("count", buf)
     reach = {
