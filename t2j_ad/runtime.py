@@ -140,6 +140,11 @@ def check_environment() -> None:
     from . import functorch_levels  # noqa: F401 - reads T2J_AD_FUNCTORCH_FAST at import
 
 
+def _on_cuda(inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether a call's inputs are on a GPU (its first, as the call's device)."""
+    return bool(inputs) and inputs[0].is_cuda
+
+
 def not_a_tensor(fn_name: str, where: str, value: object) -> TorchCallError:
     """The error for an output that is not a tensor; ``where`` names it."""
     cache = (
@@ -374,7 +379,8 @@ class _Runner:
             inputs = [t.clone() for t in inputs]
             # The copies' memory, whatever ``.data =`` rebinds the copies to.
             copied = [t.detach() for t in inputs]
-        held = kept_inputs_references(inputs) if checked else None  # NOTE [inputs kept past a call]
+        # NOTE [inputs kept past a call]: on the CPU; on CUDA not yet (see the NOTE).
+        held = kept_inputs_references(inputs) if checked and not (self.other_devices and _on_cuda(inputs)) else None
         threads = _get_num_threads()
         if threads != n:
             _set_num_threads(n)  # NOTE [torch threads]: for this call only, put back below

@@ -14,10 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import to_numpy
+from conftest import ON_GPU, to_numpy
 
 import t2j_ad
 from t2j_ad import kept_inputs
+
+# NOTE [inputs kept past a call]: GPU calls do not look for kept inputs yet.
+pytestmark = pytest.mark.skipif(
+    ON_GPU, reason="kept inputs are moved on the CPU only: the look is not yet checked on CUDA (torch 2.11 lacks "
+    "UntypedStorage._swap_data_ptr_, and an H100 run saw calls that keep nothing flagged)"
+)
 
 
 class _Delta(torch.nn.Module):
