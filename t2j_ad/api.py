@@ -163,6 +163,11 @@ def _checked_output_shapes(output_shapes: Any) -> Any:
     return output_shapes
 
 
+# How deep result classes registered with PyTorch's pytrees may nest
+# (CLIPOutput holds its towers' BaseModelOutputWithPooling).
+_NESTED_RESULT_CLASSES = 8
+
+
 class JaxifiedFunction:
     """A PyTorch function callable from JAX under every transform.
 
@@ -338,11 +343,12 @@ class JaxifiedFunction:
             effects = inferred.effects
             if effects.writes.closed_over:  # NOTE [a name rebound after a call]: acc = torch.zeros(3) later
                 structure.watch_tensor_names(effects.writes.closed_over)
+            structure.forget_names_it_rebinds()
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred.outputs, is_leaf=_is_output_leaf)
-            if registered_from_torch(leaf for _, leaf in with_paths):  # NOTE [PyTorch's pytree nodes in results]
-                with_paths, out_tree = jax.tree_util.tree_flatten_with_path(
-                    inferred.outputs, is_leaf=_is_output_leaf
-                )
+            for _ in range(_NESTED_RESULT_CLASSES):  # NOTE [PyTorch's pytree nodes in results]: one level a time
+                if not registered_from_torch(leaf for _, leaf in with_paths):
+                    break
+                with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred.outputs, is_leaf=_is_output_leaf)
             declared = []
             for path, leaf in with_paths:
                 where = f"output{jax.tree_util.keystr(path)}"

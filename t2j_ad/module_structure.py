@@ -82,6 +82,13 @@ class StructureSeen:
         """Whether it remembers what some name the function reads holds."""
         return self._bindings is not None and len(self._bindings) > 0
 
+    def forget_names_it_rebinds(self) -> None:
+        """Stop looking at the names that hold another object already: the
+        function's own runs rebound them (``state.on_done = lambda: ...``),
+        as it will on every call (NOTE [a name rebound after a call])."""
+        if self._bindings is not None:
+            self._bindings.forget_moved()
+
     def watch_tensor_names(self, written: Sequence[torch.Tensor]) -> None:
         """Remember the names that hold ``written`` too, the tensors the
         function updates in place (NOTE [a name rebound after a call])."""

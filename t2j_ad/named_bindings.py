@@ -31,12 +31,16 @@ that tensor in place (``acc.add_(x)``): then a name bound to a fresh one
 changes what it updates, and a value and its gradient had updated the new
 one twice. A module's plain attributes that hold functions
 (``nn.TransformerEncoderLayer``'s ``activation``), and a ``forward`` set
-on one of the user's modules later, count as names too. The look costs one lookup per remembered name per call (most
+on one of the user's modules later, count as names too, and so does the
+``__call__`` of a callable object of the user's. A name the function's own
+run binds afresh (``state.on_done = lambda: ...``) is not remembered: it
+changes on every call. The look costs one lookup per remembered name per call (most
 functions have one or two).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -120,7 +124,13 @@ class BindingsSeen:
                     reachable(forward, _is_module, bindings=bindings)
                     break
         functions = [value for _, _, value in bindings if inspect.isfunction(value)]
-        root = getattr(fn, "__func__", fn)
+        root = fn.func if isinstance(fn, functools.partial) else fn
+        root = getattr(root, "__func__", root)
+        call = vars(type(root)).get("__call__") if not inspect.isfunction(root) else None
+        if inspect.isfunction(call) and users_code(type(root).__module__):  # a callable object of the user's
+            bindings.append((vars(type(root)), "__call__", call))
+            reachable(call, _is_module, bindings=bindings)
+            root = call
         if inspect.isfunction(root) and users_code(root.__module__):
             functions.append(root)
         bindings += [(function, _CODE, function.__code__) for function in functions]
@@ -145,6 +155,10 @@ class BindingsSeen:
         found: list[tuple[Any, Any, Any]] = []
         reachable(self._fn, updated, bindings=found)
         self._bindings = _unique([*self._bindings, *(b for b in found if not callable(b[2]))])
+
+    def forget_moved(self) -> None:
+        """Stop looking at the names that hold another object now."""
+        self._bindings = tuple(b for b in self._bindings if _held(b[0], b[1]) is b[2])
 
     def hold(self) -> bool:
         for holder, key, value in self._bindings:

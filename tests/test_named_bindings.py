@@ -343,3 +343,49 @@ def test_a_helper_an_inherited_forward_calls_or_the_base_forward_patched_is_seen
         _against_torch_func(f, lambda t: net(t), x, seed=1)
     finally:
         _Base.forward = forward
+
+
+class _Loss:
+    """A callable object of the user's, as a loss class is one."""
+
+    def __call__(self, x):
+        return (noise(x) ** 2).sum()
+
+
+def test_a_callable_object_or_a_partial_as_the_function_follows_its_names(rebound):
+    import functools
+
+    global noise
+    loss = _Loss()
+    scaled = functools.partial(lambda x, k: (noise(x) ** 2).sum() * k, k=1.0)
+    f, g = t2j_ad.jaxify(loss), t2j_ad.jaxify(scaled)
+    x = jnp.arange(1.0, 9.0)
+    for h in (f, g):
+        assert_tree_allclose(jax.grad(h)(x), 2 * x)
+
+    def noise(x):  # noqa: F811 - the helper's cell run again, edited
+        return torch.nn.functional.dropout(x, 0.5)
+
+    _against_torch_func(f, loss, x)
+    _against_torch_func(g, scaled, x, seed=1)
+
+
+def test_a_name_the_function_binds_afresh_itself_is_not_remembered(monkeypatch):
+    resolved = []
+    original = api.JaxifiedFunction._resolve
+
+    def counting(self, *args):
+        resolved.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(api.JaxifiedFunction, "_resolve", counting)
+    state = {"on_done": lambda: None}
+
+    def f(x):
+        state["on_done"] = lambda: None  # a per-call callback
+        return x * 2
+
+    g = t2j_ad.jaxify(f)
+    for _ in range(4):
+        assert_tree_allclose(g(jnp.ones(3)), 2 * jnp.ones(3))
+    assert len(resolved) == 1
