@@ -42,6 +42,20 @@ def _against_torch_func(f, reference, x, seed=0):
 
 
 @pytest.fixture
+def resolved(monkeypatch):
+    """One entry per signature resolved during the test."""
+    seen: list[int] = []
+    original = api.JaxifiedFunction._resolve
+
+    def counting(self, *args):
+        seen.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(api.JaxifiedFunction, "_resolve", counting)
+    return seen
+
+
+@pytest.fixture
 def rebound():
     """Put the module-level names back after the test."""
     global model, noise
@@ -115,15 +129,7 @@ def test_a_global_rebound_to_a_batch_norm_updates_its_statistics_once_per_call(r
     assert_tree_allclose(to_numpy(model.running_mean), to_numpy(twin.running_mean))
 
 
-def test_a_rebound_number_does_not_resolve_again(monkeypatch):
-    resolved = []
-    original = api.JaxifiedFunction._resolve
-
-    def counting(self, *args):
-        resolved.append(1)
-        return original(self, *args)
-
-    monkeypatch.setattr(api.JaxifiedFunction, "_resolve", counting)
+def test_a_rebound_number_does_not_resolve_again(resolved):
     scale = 1.0
     f = t2j_ad.jaxify(lambda x: x * scale)
     for k in range(4):
@@ -260,7 +266,7 @@ class _Lazy(dict):
         raise RuntimeError("lazy object not ready")
 
 
-def test_names_that_cannot_be_read_back_are_not_looked_at(monkeypatch):
+def test_names_that_cannot_be_read_back_are_not_looked_at():
     table = _Lazy(model=torch.nn.Identity())
     proxy = weakref.proxy(torch.nn.Identity())  # dead already
 
@@ -275,17 +281,9 @@ def test_names_that_cannot_be_read_back_are_not_looked_at(monkeypatch):
     assert seen.hold() and len(seen) == 3
 
 
-def test_a_tensor_the_function_only_reads_bound_afresh_resolves_nothing(monkeypatch):
+def test_a_tensor_the_function_only_reads_bound_afresh_resolves_nothing(resolved):
     # Only the tensors it updates count: a training loop that binds new
     # parameters every step re-resolved (and traced) on every call.
-    resolved = []
-    original = api.JaxifiedFunction._resolve
-
-    def counting(self, *args):
-        resolved.append(1)
-        return original(self, *args)
-
-    monkeypatch.setattr(api.JaxifiedFunction, "_resolve", counting)
     norm = torch.nn.BatchNorm1d(3, dtype=torch.float64).to(TORCH_DEVICE)
     scale = {"w": torch.ones(3, dtype=torch.float64, device=TORCH_DEVICE)}
     f = t2j_ad.jaxify(lambda x: (norm(x) * scale["w"]).sum())
@@ -370,15 +368,7 @@ def test_a_callable_object_or_a_partial_as_the_function_follows_its_names(reboun
     _against_torch_func(g, scaled, x, seed=1)
 
 
-def test_a_name_the_function_binds_afresh_itself_is_not_remembered(monkeypatch):
-    resolved = []
-    original = api.JaxifiedFunction._resolve
-
-    def counting(self, *args):
-        resolved.append(1)
-        return original(self, *args)
-
-    monkeypatch.setattr(api.JaxifiedFunction, "_resolve", counting)
+def test_a_name_the_function_binds_afresh_itself_is_not_remembered(resolved):
     state = {"on_done": lambda: None}
 
     def f(x):
