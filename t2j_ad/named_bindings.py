@@ -51,7 +51,6 @@ from .references import GONE, a_callable, held_at, reachable, users_code
 from .state_writes import memory_of
 
 
-
 class _Attribute:
     """A key naming an attribute: a function's ``__code__``."""
 
@@ -154,7 +153,7 @@ class BindingsSeen:
 
         found: list[tuple[Any, Any, Any]] = []
         reachable(self._fn, updated, bindings=found)
-        self._bindings = _unique([*self._bindings, *(b for b in found if not callable(b[2]))])
+        self._bindings = _unique([*self._bindings, *(b for b in found if not a_callable(b[2]))])
 
     def forget_moved(self) -> None:
         """Stop looking at the names that hold another object now."""
