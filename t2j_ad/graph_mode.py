@@ -343,8 +343,9 @@ def _build_artifact(
         return Artifact(None, _reason(err)), None
     traced = time.perf_counter()
     # NOTE [the layouts a graph assumed]: as the trace saw them.
+    held = graph_constants(graph)  # what the graph holds by reference
     named = getattr(base, "named_tensors", None)  # where the tensors its function names are now
-    layouts = HeldLayouts(graph_constants(graph), named=named() if named is not None else ())
+    layouts = HeldLayouts(held, named=named() if named is not None else ())
     constants = WrittenConstants(graph) if mode == "inductor" else None
     try:
         first, dropped = checked_first_run(impl, graph, inputs, grad_enabled)  # NOTE [checking a trace against eager]
@@ -388,7 +389,7 @@ def _build_artifact(
     if inputs and inputs[0].is_cuda:
         from .cuda_graphs import CudaGraphCall
 
-        artifact.cuda_graph = CudaGraphCall(artifact.run, base.name, held=graph_constants(graph))
+        artifact.cuda_graph = CudaGraphCall(artifact.run, base.name, held=held)
     return artifact, first
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from .references import held_at, reachable
+from .references import held_at, name_key, reachable
 
 _sizes = torch.Tensor.size
 _strides = torch.Tensor.stride
@@ -53,9 +53,8 @@ def named_tensors(fn: Callable[..., Any]) -> list[tuple[Any, Any]]:
     ``(holder, key)`` for ``references.held_at``), so each call can look at
     the tensor there now (NOTE [the layouts a graph assumed])."""
     bindings: list[tuple[Any, Any, Any]] = []
-    reachable(fn, lambda obj: isinstance(obj, torch.Tensor), bindings=bindings)
-    slots = {(id(h), k if type(k) in (str, int) else id(k)): (h, k) for h, k, v in bindings if _a_tensor(v)}
-    return list(slots.values())
+    reachable(fn, _a_tensor, bindings=bindings)
+    return list({name_key(h, k): (h, k) for h, k, v in bindings if _a_tensor(v)}.values())
 
 
 def _a_tensor(value: Any) -> bool:

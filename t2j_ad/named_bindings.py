@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from .references import GONE, a_callable, held_at, reachable, users_code
+from .references import GONE, a_callable, held_at, name_key, reachable, users_code
 from .state_writes import memory_of
 
 
@@ -157,7 +157,7 @@ class BindingsSeen:
 
     def forget_moved(self) -> None:
         """Stop looking at the names that hold another object now."""
-        self._bindings = tuple(b for b in self._bindings if _held(b[0], b[1]) is b[2])
+        self._bindings = tuple(filter(_holds, self._bindings))
 
     def hold(self) -> bool:
         for holder, key, value in self._bindings:
@@ -174,8 +174,11 @@ class BindingsSeen:
 def _unique(bindings: list[tuple[Any, Any, Any]]) -> tuple[tuple[Any, Any, Any], ...]:
     """``bindings``, each name once, and only those that can be read back
     (a dict whose ``__getitem__`` raises is no name to look at per call)."""
-    unique = {
-        (id(holder), key if type(key) in (str, int) else id(key)): (holder, key, value)
-        for holder, key, value in bindings
-    }
-    return tuple(b for b in unique.values() if _held(b[0], b[1]) is b[2])
+    unique = {name_key(holder, key): (holder, key, value) for holder, key, value in bindings}
+    return tuple(filter(_holds, unique.values()))
+
+
+def _holds(binding: tuple[Any, Any, Any]) -> bool:
+    """Whether a name still holds what it held."""
+    holder, key, value = binding
+    return _held(holder, key) is value

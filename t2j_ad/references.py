@@ -92,7 +92,7 @@ def reachable(
             for value in (*(code_of.__defaults__ or ()), *(code_of.__kwdefaults__ or {}).values()):
                 leads |= visit(value, depth + 1)
             for value in (*names.nonlocals.values(), *names.globals.values()):
-                if isinstance(value, types.ModuleType) and not value.__name__.startswith(_LIBRARIES):
+                if isinstance(value, types.ModuleType) and users_code(value.__name__):
                     # mystore.param(...): what the code names in a module it names
                     # (Pyro's pyro.param and its param store)
                     for name in code_of.__code__.co_names:
@@ -125,6 +125,13 @@ def a_callable(value: Any) -> bool:
         return callable(value) and not isinstance(value, types.ModuleType)
     except Exception:  # noqa: BLE001 - a dead weak proxy raises ReferenceError
         return False
+
+
+def name_key(holder: Any, key: Any) -> tuple[int, Any]:
+    """What tells one name (``holder[key]``, as ``bindings`` gives it) from
+    another: the holder by identity, and the key (by identity where it is
+    neither a string nor an int)."""
+    return id(holder), key if type(key) in (str, int) else id(key)
 
 
 # What held_at answers for a name that holds nothing now.
