@@ -27,12 +27,35 @@ where one was kept.
 Calls that run on copies of their inputs (a function's first call, until
 it shows it leaves its inputs alone) need no look: the copies are PyTorch's.
 
+A storage's use count also counts PyTorch's own Python object for it, which
+any ``x.untyped_storage()`` makes and the storage then keeps while a tensor
+views it: graph mode's trace makes one (fake tensors read every input's
+storage). So a count above one is looked at once more, with that object in
+hand: kept only if more than it and the tensor hold the storage, or more
+than the storage holds that object. Without this, every first call of a
+graph-mode derivative copied its inputs, and on a PyTorch without
+``_swap_data_ptr_`` failed. t2j_ad itself keeps no input past a call
+either: not in a loop variable, an autograd graph recorded into the
+outputs, a base of the copies made inside ``torch.inference_mode``, a walk
+of a module's tables made while a call's tensors were bound into them, or a
+recurrent module's weight list (all found that way, with torch 2.11).
+
+PyTorch 2.11 (the GPU machines' build) has no ``_swap_data_ptr_``. There a
+function seen keeping an input is handed copies from then on, as on its
+first call (``keeps_inputs``, read by runtime.py): the first call, on
+copies, is looked at too, so a function that keeps inputs from the start
+(a streaming module) never fails; one that starts keeping later fails that
+one call, naming the fix.
+
 On CUDA the look is not made yet. On an H100 with torch 2.11 (the
 seventeenth session) it found inputs "kept" by calls that keep nothing
 (``x.sin() * 3`` under ``jax.grad`` in graph mode), and that PyTorch has no
 ``UntypedStorage._swap_data_ptr_`` to move them with, so such calls failed.
-Until the look is checked there, GPU calls are as before it: a function
-that keeps an input past the call must keep a copy (``x.clone()``).
+Both showed on the CPU too with torch 2.11 (``scripts/test_torch_version.sh``)
+and are handled as said here: the storage's Python object, made by the
+trace, and copies where nothing can be moved. Until the look is run on a
+GPU, GPU calls are as before it: a function that keeps an input past the
+call must keep a copy (``x.clone()``).
 """
 
 from __future__ import annotations
@@ -48,42 +71,69 @@ import torch
 # swapped with another's.
 _use_count = torch._C._storage_Use_Count
 _storage_address = torch._C._storage_address
-_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+CAN_MOVE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 # The input tensor itself.
 _CALLS_OWN = 1
+# With the storage's Python object in hand: the tensor and that object hold
+# the storage; the storage, the caller's name for it, and getrefcount's
+# argument hold that object.
+_WITH_ITS_OBJECT = 2
+_OBJECT_REFS = 3
 _refcount = sys.getrefcount
 
 
 def references(inputs: Sequence[torch.Tensor]) -> list[int]:
     """How many references each input has now, before the call: the same
-    tensor kept (``self.prev = x``) shows as one more after it."""
-    return [_refcount(tensor) for tensor in inputs]
+    tensor kept (``self.prev = x``) shows as one more after it. Counted as
+    ``_kept`` counts them: the list's, and the count's argument."""
+    return [_refcount(inputs[i]) for i in range(len(inputs))]
+
+
+def any_kept(inputs: Sequence[torch.Tensor], before: Sequence[int]) -> bool:
+    """Whether something other than the call still holds one of ``inputs``
+    (the tensor itself, past ``before``'s count, or its storage)."""
+    return any(_kept(inputs, i, before) for i in range(len(before)))
 
 
 def release_kept_inputs(inputs: Sequence[torch.Tensor], before: Sequence[int]) -> int:
     """Move each input's storage that something other than the call still
     holds (the tensor itself, past ``before``'s count, or a view of it) to
-    memory of its own (NOTE [inputs kept past a call]); how many moved."""
+    memory of its own (NOTE [inputs kept past a call]); how many moved.
+    Only where ``CAN_MOVE``."""
     moved = 0
     for i in range(len(before)):  # no zip: its reused tuple would hold an input
-        tensor = inputs[i]
-        if _refcount(tensor) > before[i] or _use_count(_storage_address(tensor)) > _CALLS_OWN:
-            storage = tensor.untyped_storage()
+        if _kept(inputs, i, before):
+            storage = inputs[i].untyped_storage()
             if storage.nbytes():
                 _to_own_memory(storage)
                 moved += 1
     return moved
 
 
+def _kept(inputs: Sequence[torch.Tensor], i: int, before: Sequence[int]) -> bool:
+    if _refcount(inputs[i]) > before[i]:
+        return True
+    address = _storage_address(inputs[i])
+    if _use_count(address) <= _CALLS_OWN:
+        return False
+    # Perhaps only the storage's own Python object (NOTE [inputs kept past a call]).
+    storage = inputs[i].untyped_storage()
+    return _use_count(address) > _WITH_ITS_OBJECT or _refcount(storage) > _OBJECT_REFS
+
+
+def unmovable_kept_input() -> RuntimeError:
+    """The error for a call on XLA's buffers that kept an input where it
+    cannot be moved (NOTE [inputs kept past a call])."""
+    return RuntimeError(
+        "t2j_ad: the PyTorch function kept one of its inputs (or a view of one) past the call, and "
+        f"this PyTorch ({torch.__version__}) cannot move it to memory of its own; XLA reuses that "
+        "buffer after the call. Later calls run on copies of the inputs; for this one, keep a copy "
+        "instead (x.clone()), or use a PyTorch with UntypedStorage._swap_data_ptr_."
+    )
+
+
 def _to_own_memory(storage: torch.UntypedStorage) -> None:
-    if not _CAN_SWAP:
-        raise RuntimeError(
-            "t2j_ad: the PyTorch function kept one of its inputs (or a view of one) past the call, and "
-            f"this PyTorch ({torch.__version__}) cannot move it to memory of its own; XLA reuses that "
-            "buffer after the call. Keep a copy instead (x.clone()), or use a PyTorch with "
-            "UntypedStorage._swap_data_ptr_."
-        )
     own = torch.UntypedStorage(storage.nbytes(), device=storage.device)
     own.copy_(storage)
     storage._swap_data_ptr_(own)  # ``own`` now holds XLA's buffer, and lets it go here

@@ -213,6 +213,11 @@ class _SlotsNow:
     def __init__(self, module: torch.nn.Module, param_keys: Sequence[str]) -> None:
         self._module = module
         self._param_keys = tuple(param_keys)
+        # How many calls have their tensors bound into the module now: more
+        # than one where a call runs inside another's bindings (the loop of
+        # a vmap fallback inside a derivative's call, NOTE [bindings held
+        # through the reverse pass]).
+        self.binding = 0
         self._walk()
 
     def _walk(self) -> None:
@@ -227,8 +232,16 @@ class _SlotsNow:
         # do): their arrays would be bound nowhere, silently.
         bound = {key for _, _, key in self.slots.params}
         self.unbound = [key for key in self._param_keys if key not in bound]
+        # Recurrent modules keep a list of their weights (``_flat_weights``),
+        # which a call's tensors, bound into their tables, would stay in.
+        self.recurrent = [m for m in self.slots.modules if isinstance(m, torch.nn.RNNBase)]
 
     def now(self) -> _TensorSlots:
+        if self.binding:
+            # The tables hold a call's tensors, not the module's: the walk
+            # stands, and a walk now would keep those tensors, XLA's
+            # buffers, past their call (NOTE [inputs kept past a call]).
+            return self.slots
         held = _tables_held(self.slots.modules)
         if len(held) != len(self._held) or not all(map(operator.is_, held, self._held)):
             self._walk()
@@ -254,6 +267,26 @@ def _holding_locks(slots_now: _SlotsNow) -> Iterator[_TensorSlots]:
         yield slots
     finally:
         release(locks)
+
+
+@contextlib.contextmanager
+def _binding(slots_now: _SlotsNow) -> Iterator[None]:
+    """Within the block, ``slots_now`` counts one more call binding its
+    tensors into the module (under the module's locks)."""
+    slots_now.binding += 1
+    try:
+        yield
+    finally:
+        slots_now.binding -= 1
+
+
+def _weight_lists_renewed(recurrent: Sequence[torch.nn.Module]) -> None:
+    """Point each recurrent module's weight list (which its forward renews
+    from its tables, and ``flatten_parameters`` reads) at its own weights
+    again, not at those of the call that just ended: XLA's buffers, freed or
+    reused after it (NOTE [inputs kept past a call] in kept_inputs.py)."""
+    for module in recurrent:
+        module._update_flat_weights()
 
 
 def _unbound_params_error(module: torch.nn.Module, unbound: Sequence[str]) -> ModuleChangedError:
@@ -454,6 +487,8 @@ def jaxify_module(
             if slots_now.unbound:
                 raise _unbound_params_error(module, slots_now.unbound)
             try:
+                held.enter_context(_binding(slots_now))
+                held.callback(_weight_lists_renewed, slots_now.recurrent)  # once the module's own are back
                 held.enter_context(_bound(slots.params, params))
                 held.enter_context(_bound(slots.buffers, copies))
                 with forwards_end_here():

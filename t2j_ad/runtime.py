@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import sys
 import threading
 import traceback
 from collections.abc import Sequence
@@ -21,8 +22,8 @@ from . import graph_mode
 from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, on_another_device, torch_dtype
 from .cuda_streams import external_stream, run_on_stream
 from .functorch_levels import forward_ad_levels_kept
+from .kept_inputs import CAN_MOVE, any_kept, release_kept_inputs, unmovable_kept_input
 from .kept_inputs import references as kept_inputs_references
-from .kept_inputs import release_kept_inputs
 from .malloc_tuning import tune_malloc
 from .real_writes import one_trial_run, outside_trial_runs, trial_running
 from .replayed_calls import (
@@ -371,21 +372,30 @@ class _Runner:
             self._serialized(inputs, outputs)
             return
         n = _threads or torch_threads()
-        checked = self.base.mutation_checked
-        if not checked:
+        base = self.base
+        checked = base.mutation_checked
+        copying = not checked or base.keeps_inputs
+        if copying:
             # Until one run shows the function leaves its inputs alone, hand
-            # it copies, so a mutating function cannot change the caller's arrays.
+            # it copies, so a mutating function cannot change the caller's
+            # arrays; and for good to one that keeps them where they cannot
+            # be moved (NOTE [inputs kept past a call]).
             originals = inputs
             inputs = [t.clone() for t in inputs]
             # The copies' memory, whatever ``.data =`` rebinds the copies to.
-            copied = [t.detach() for t in inputs]
+            copied = [t.detach() for t in inputs] if not checked else None
         # NOTE [inputs kept past a call]: on the CPU; on CUDA not yet (see the NOTE).
-        held = kept_inputs_references(inputs) if checked and not (self.other_devices and _on_cuda(inputs)) else None
+        held = (
+            kept_inputs_references(inputs)
+            if (not copying or not (CAN_MOVE or base.keeps_inputs)) and not (self.other_devices and _on_cuda(inputs))
+            else None
+        )
         threads = _get_num_threads()
         if threads != n:
             _set_num_threads(n)  # NOTE [torch threads]: for this call only, put back below
         previous = _is_grad_enabled()
-        _set_grad_enabled(self.grad_enabled)
+        grad_enabled = self.grad_enabled  # as the call runs: its first compiled call turns it off for the next
+        _set_grad_enabled(grad_enabled)
         try:
             try:
                 if checked and self.call_into is not None:
@@ -397,8 +407,9 @@ class _Runner:
                 raise
             except Exception as err:
                 raise self._failure(err) from err
-            if self.grad_enabled:
-                # The copies below must not record a graph into the outputs.
+            if grad_enabled:
+                # The copies below must not record a graph into the outputs
+                # (one that saved an input: kept past the call).
                 _set_grad_enabled(False)
             # Inputs arrive fresh (version 0; see run_into), so any in-place
             # write shows as a nonzero version: no snapshot before the call.
@@ -417,7 +428,7 @@ class _Runner:
                 versioned = False
             if not checked and versioned:
                 self._refuse_unseen_writes(originals, copied)  # NOTE [writes the version counter misses]
-                self.base.mutation_checked = True
+                base.mutation_checked = True
             if results is _WRITTEN:
                 return
             try:
@@ -466,8 +477,13 @@ class _Runner:
             if threads != n:
                 _set_num_threads(threads)
             if held is not None:
-                results = t = None  # may view or be an input: the call's own, not kept
-                release_kept_inputs(inputs, held)
+                results = t = r = copied = None  # may view or be an input: the call's own, not kept
+                if not copying and CAN_MOVE:
+                    release_kept_inputs(inputs, held)
+                elif any_kept(inputs, held):
+                    base.keeps_inputs = True
+                    if not copying and sys.exception() is None:  # not in place of the call's own error
+                        raise unmovable_kept_input()
 
     def _serialized(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         # NOTE [forward AD is process-wide]; a call about to trace takes the
@@ -662,7 +678,9 @@ class _Runner:
         with torch.inference_mode(False):
             # stack-and-select, not clone: a clone of an inference tensor
             # starts at version 1, which reads as a write into the input.
-            fresh = [torch.stack([t])[0] for t in inputs]
+            # Detached: the selected view's base would read as a view kept
+            # past the call (NOTE [inputs kept past a call]).
+            fresh = [torch.stack([t])[0].detach() for t in inputs]
             buffers = [torch.empty_like(o) for o in outputs]
             self(fresh, buffers, stream)
         for out, buffer in zip(outputs, buffers):

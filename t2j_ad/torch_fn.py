@@ -146,6 +146,10 @@ class BaseFn:
         # False until one run has shown the function leaves its inputs alone;
         # until then the runtime hands it copies (see runtime.py).
         self.mutation_checked = mutation_checked
+        # True once a call kept one of its inputs on a PyTorch that cannot
+        # move it (NOTE [inputs kept past a call] in kept_inputs.py): from
+        # then on the runtime hands it copies.
+        self.keeps_inputs = False
         # Where out_avals were inferred: torch.device("meta"), the device of
         # the zeros, or None when output_shapes declared them (the runtime's
         # shape and dtype errors say which, and what to do).

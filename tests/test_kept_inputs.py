@@ -8,6 +8,7 @@ an immutable JAX array."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -95,13 +96,43 @@ def test_a_later_write_through_a_kept_input_leaves_jax_arrays_alone():
     np.testing.assert_array_equal(to_numpy(state["acc"]), np.full(4, 1.0, np.float32))  # PyTorch's write
 
 
-def test_calls_that_keep_nothing_copy_nothing(monkeypatch):
+def _reads_its_storage(w, x):
+    assert x.untyped_storage().nbytes() == 48  # makes the storage's Python object, kept with it
+    # (under torch.func's transforms a wrapper has no storage to read)
+    return torch.sin(x @ w).sum()
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_calls_that_keep_nothing_copy_nothing(monkeypatch, compile):
+    monkeypatch.setattr(t2j_ad.runtime, "CAN_MOVE", True)  # the move itself only recorded, below
+    # A graph-mode derivative's trace, and any untyped_storage() call, make
+    # the storage's Python object: once taken for a kept view, which copied
+    # the inputs of each such call, and failed it where PyTorch cannot move them.
     moved = []
     monkeypatch.setattr(kept_inputs, "_to_own_memory", lambda storage: moved.append(storage.nbytes()))
-    f = t2j_ad.jaxify(lambda w, x: torch.tanh(x @ w).sum())
-    same = t2j_ad.jaxify(lambda x: x)  # returns its input: the call's own result, not kept
+    f = t2j_ad.jaxify(lambda w, x: torch.tanh(x @ w).sum(), compile=compile)
+    same = t2j_ad.jaxify(lambda x: x, compile=compile)  # returns its input: the call's own result, not kept
+    reads = t2j_ad.jaxify(_reads_its_storage, compile=compile)
     module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
-    apply, params = t2j_ad.jaxify_module(module)
+    apply, params = t2j_ad.jaxify_module(module, compile=compile)
+    lin = torch.nn.Linear(4, 4)  # a parameter: the first run of a graph for a flag records autograd history
+    flagged = t2j_ad.jaxify(lambda x: x @ lin.weight.T * (2.0 if lin.training else 3.0), compile=compile)
+
+    def toggled():
+        lin.train(not lin.training)  # graph mode: another graph, its first run on XLA's buffers
+        return flagged(x)
+
+    recurrent, weights = t2j_ad.jaxify_module(torch.nn.GRU(4, 3), compile=compile)  # its weight list
+    norm = torch.nn.Sequential(torch.nn.Conv1d(3, 3, 1), torch.nn.BatchNorm1d(3, momentum=None))
+    normed, norm_params = t2j_ad.jaxify_module(norm, compile=compile)  # per example, inside the call's bindings
+
+    def per_example_normed(p):
+        return jax.vmap(normed, (None, 0))(p, jnp.ones((2, 1, 3, 5))).sum()
+
+    def in_inference_mode():
+        with torch.inference_mode():
+            return f(w, x)
+
     w, x, ws = jnp.ones(4), jnp.ones((3, 4)), jnp.ones((2, 4))
     calls = [
         lambda: f(w, x),
@@ -111,11 +142,82 @@ def test_calls_that_keep_nothing_copy_nothing(monkeypatch):
         lambda: jax.jvp(f, (w, x), (w, x)),
         lambda: same(x),
         lambda: jax.grad(lambda p: apply(p, x).sum())(params),
+        lambda: reads(w, x),
+        toggled,
+        lambda: recurrent(weights, x),
+        lambda: jax.grad(per_example_normed)(norm_params),
+        in_inference_mode,
     ]
     for call in calls:
         for jit in (False, True):
             run = jax.jit(call) if jit else call
-            jax.block_until_ready(run())  # the first call of each runs on copies
-            jax.block_until_ready(run())
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", t2j_ad.FallbackWarning)  # loops and eager runs, announced
+                jax.block_until_ready(run())  # the first call of each runs on copies
+                jax.block_until_ready(run())
     assert moved == []
 
+
+
+def test_a_kept_storage_object_counts_as_kept(monkeypatch):
+    monkeypatch.setattr(t2j_ad.runtime, "CAN_MOVE", True)  # the move itself only recorded, below
+    moved = []
+    monkeypatch.setattr(kept_inputs, "_to_own_memory", lambda storage: moved.append(storage.nbytes()))
+    kept = []
+
+    def fn(x):
+        kept.append(x.untyped_storage())
+        return x * 2
+
+    f = t2j_ad.jaxify(fn)
+    for _ in range(3):
+        jax.block_until_ready(f(jnp.ones(4)))  # the first call runs on copies
+    assert moved == [16, 16]
+
+
+@pytest.fixture
+def cannot_move(monkeypatch):
+    """A PyTorch without UntypedStorage._swap_data_ptr_ (2.11, the GPU machines' build)."""
+    monkeypatch.setattr(t2j_ad.runtime, "CAN_MOVE", False)
+    monkeypatch.setattr(kept_inputs, "_to_own_memory", lambda storage: pytest.fail("moved without a swap"))
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_where_inputs_cannot_be_moved_a_function_keeping_them_from_the_start_runs_on_copies(cannot_move, compile):
+    apply, params = t2j_ad.jaxify_module(_Delta(), compile=compile)
+    scan = jax.jit(lambda p, xs: jax.lax.scan(lambda c, x: (c, apply(p, x)), 0.0, xs)[1])
+    with pytest.warns(t2j_ad.FallbackWarning) if compile == "graph" else contextlib.nullcontext():
+        ys = to_numpy(scan(params, jnp.asarray(_XS, jnp.float32)))
+    np.testing.assert_allclose(ys, _deltas(_XS.astype(np.float32)), rtol=1e-6, atol=1e-6)
+
+
+def test_where_inputs_cannot_be_moved_a_function_that_starts_keeping_fails_that_call_only(cannot_move):
+    kept = []
+
+    def fn(x, keep):
+        if bool(keep):
+            kept.append(x[1:])
+        return x * 2
+
+    step = jax.jit(t2j_ad.jaxify(fn))
+    jax.block_until_ready(step(jnp.zeros(4), False))  # on copies; kept nothing
+    jax.block_until_ready(step(jnp.zeros(4), False))  # on XLA's buffers
+    with pytest.raises(Exception, match=r"cannot move it to memory of its own.*Later calls run on copies"):
+        jax.block_until_ready(step(jnp.zeros(4), True))
+    for i in range(3):
+        jax.block_until_ready(step(jnp.full((4,), float(i)), True))
+        [jax.block_until_ready(jnp.full((4,), -1.0) + 0) for _ in range(50)]  # same-sized work after it
+        np.testing.assert_array_equal(to_numpy(kept[-1]), np.full(3, float(i), np.float32))
+
+
+def test_where_inputs_cannot_be_moved_the_calls_own_error_is_raised(cannot_move):
+    def fn(x, fail):
+        if bool(fail):
+            raise ValueError("the function's own error")  # its traceback holds x
+        return x * 2
+
+    f = t2j_ad.jaxify(fn)
+    jax.block_until_ready(f(jnp.ones(4), False))
+    with pytest.raises(Exception, match="the function's own error"):
+        jax.block_until_ready(f(jnp.ones(4), True))
+    jax.block_until_ready(f(jnp.ones(4), False))
