@@ -586,11 +586,23 @@ def test_an_op_without_a_forward_mode_formula_gets_forward_mode_by_double_vjp(x6
 
     theta = jnp.array([1.0, 0.1, 0.05, -0.1, 0.9, 0.02])
     f = t2j_ad.jaxify(warped)
-    with pytest.warns(t2j_ad.FallbackWarning, match="no forward-mode formula"):
-        hessian = jax.hessian(f)(theta)
     # Plain autograd's double backward: torch 2.11's torch.func.jacrev of
     # jacrev fails in grid_sampler_2d_backward's batching rule.
-    expected = torch.autograd.functional.hessian(warped, to_torch(theta))
+    try:
+        expected = torch.autograd.functional.hessian(warped, to_torch(theta))
+    except RuntimeError as err:
+        if "grid_sampler_2d_backward is not implemented" not in str(err):
+            raise
+        # This PyTorch (2.11 on a CPU) has no derivative of grid_sample's
+        # backward, which the double vjp needs: its own error, never zeros.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", t2j_ad.FallbackWarning)
+            for derivative in (jax.hessian, jax.jacfwd):
+                with pytest.raises(Exception, match="grid_sampler_2d_backward is not implemented"):
+                    derivative(f)(theta)
+        return
+    with pytest.warns(t2j_ad.FallbackWarning, match="no forward-mode formula"):
+        hessian = jax.hessian(f)(theta)
     np.testing.assert_allclose(hessian, to_numpy(expected), rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(jax.jacfwd(f)(theta), to_numpy(torch.func.grad(warped)(to_torch(theta))), rtol=1e-10)
 

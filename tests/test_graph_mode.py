@@ -873,7 +873,9 @@ def test_inductor_kernels_that_disagree_with_the_trace_run_the_traced_graph():
             got = np.asarray(f(*args))
             torch.manual_seed(seed)
             np.testing.assert_allclose(got, to_numpy(ln_gelu_dropout(*map(to_torch, args))), rtol=1e-5, atol=1e-6)
-    if TORCH_DEVICE.type == "cpu":  # the miscompiled kernel is inductor's C++ one
+    # The miscompiled kernel is torch 2.13's inductor's C++ one; torch 2.11's
+    # agrees with the trace, so nothing is due to be named there.
+    if TORCH_DEVICE.type == "cpu" and torch.__version__.startswith("2.13."):
         assert any("inductor's compiled kernels" in str(w.message) for w in record), [str(w.message) for w in record]
 
 
