@@ -82,6 +82,10 @@ class StructureSeen:
         """Whether it remembers what some name the function reads holds."""
         return self._bindings is not None and len(self._bindings) > 0
 
+    def names_hold(self) -> bool:
+        """Whether the names it remembers hold what they held."""
+        return self._bindings is None or self._bindings.hold()
+
     def forget_names_it_rebinds(self) -> None:
         """Stop looking at the names that hold another object already: the
         function's own runs rebound them (``state.on_done = lambda: ...``),

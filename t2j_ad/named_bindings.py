@@ -34,8 +34,12 @@ one twice. A module's plain attributes that hold functions
 on one of the user's modules later, count as names too, and so does the
 ``__call__`` of a callable object of the user's. A name the function's own
 run binds afresh (``state.on_done = lambda: ...``) is not remembered: it
-changes on every call. The look costs one lookup per remembered name per call (most
-functions have one or two).
+changes on every call. The runs that infer output shapes show most such
+names; a module's attribute (``self.act = lambda ...`` in a ``forward``)
+they put back, so a call that finds the names as remembered at its start,
+and rebound at its end, forgets those too (runtime.py): every call had
+resolved its signature again, 60-140x slower. The look costs one lookup
+per remembered name per call (most functions have one or two).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from .functorch_levels import forward_ad_levels_kept
 from .kept_inputs import CAN_MOVE, any_kept, release_kept_inputs, unmovable_kept_input
 from .kept_inputs import references as kept_inputs_references
 from .malloc_tuning import tune_malloc
+from .module_structure import StructureSeen
 from .real_writes import one_trial_run, outside_trial_runs, trial_running
 from .replayed_calls import (
     GeneratorAround,
@@ -761,7 +762,45 @@ def mutation_message(name: str, mutated: Sequence[int], names: Sequence[str] | N
     )
 
 
-class _RunnerWithEffects(_Runner):
+# How many calls of a function that rebind none of its names make its
+# runner stop looking at them (_RunnerWatchingNames).
+_CALLS_TO_STOP_LOOKING = 3
+
+
+class _RunnerWatchingNames(_Runner):
+    """The runner of a call of a function that reads names it remembers:
+    those the call itself rebinds (a forward's ``self.act = lambda ...``),
+    as every call will, are forgotten after it, so that no call finds them
+    rebound and resolves the signature again, 60-140x slower (NOTE [a name
+    rebound after a call] in named_bindings.py). A call that finds them
+    rebound at its start (by the caller, under ``jax.jit``) forgets none.
+    After a few calls that rebind none, it stops looking (two lookups per
+    name and call, about 1 us): a later rebinding resolves the signature
+    again, as any rebinding does."""
+
+    def __init__(self, fun: TorchFn) -> None:
+        self.names: StructureSeen | None = _names_watched(fun)
+        self.calls_rebinding_none = 0
+        super().__init__(fun)
+
+    def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
+        names = self.names
+        as_seen = names is not None and not trial_running.depth and names.names_hold()
+        self._run(inputs, outputs, stream)
+        if not as_seen:
+            return
+        if not names.names_hold():
+            names.forget_names_it_rebinds()
+            return
+        self.calls_rebinding_none += 1
+        if self.calls_rebinding_none >= _CALLS_TO_STOP_LOOKING:
+            self.names = None
+
+    def _run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
+        _Runner.__call__(self, inputs, outputs, stream)
+
+
+class _RunnerWithEffects(_RunnerWatchingNames):
     """The runner of a call of a function that draws random numbers or
     updates state it keeps, or that ran modules whose training flags decide
     whether it does (NOTE [derivatives replay the value's draws] in
@@ -825,9 +864,9 @@ class _RunnerWithEffects(_Runner):
             return "eager"
         return mode
 
-    def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
+    def _run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
         # An order input (_Runner.n_in) trails the function's own: the
-        # generator reads the token by its index, and super() drops it.
+        # generator reads the token by its index, and _Runner drops it.
         if self.checks_flags and not effects_now(self.base).same_as(traced_for(self.base)):
             raise TorchCallError(
                 f"{self.name}: the modules it runs changed training mode (module.train() or .eval()), or "
@@ -846,7 +885,7 @@ class _RunnerWithEffects(_Runner):
         with one_trial_run() if self.holds_off_trial_runs else contextlib.nullcontext():
             with call_effects():
                 with generator.around(inputs, outputs) if generator is not None else contextlib.nullcontext():
-                    super().__call__(inputs, outputs, stream)
+                    _Runner.__call__(self, inputs, outputs, stream)
 
 
 # NOTE [lock order]
@@ -878,8 +917,7 @@ def _effect_duties(fun: TorchFn) -> tuple[bool, bool, bool]:
     variant = base.call_effects is not None  # a keeping or replaying call
     # NOTE [a name rebound after a call]: a function that runs no module may
     # name a helper that is defined again.
-    structure = getattr(getattr(base, "effects_root", None) or base, "structure", None)
-    watched = bool(effects is not None and (effects.modes or (structure is not None and structure.watches_names())))
+    watched = bool(effects is not None and (effects.modes or _names_watched(fun) is not None))
     checks_flags = watched and (derivative or variant)
     # Its draws must not fall between a value call's read of the generator
     # and the value's own draws, nor within a replay (on another thread); a
@@ -891,11 +929,21 @@ def _effect_duties(fun: TorchFn) -> tuple[bool, bool, bool]:
     return checks_flags, holds_off_trial_runs, draws_alone
 
 
+def _names_watched(fun: TorchFn) -> StructureSeen | None:
+    """What the names ``fun``'s function reads hold, where it remembers some
+    (NOTE [a name rebound after a call])."""
+    base = fun.base
+    structure = getattr(getattr(base, "effects_root", None) or base, "structure", None)
+    return structure if structure is not None and structure.watches_names() else None
+
+
 def _runner_class(fun: TorchFn) -> type[_Runner]:
-    """``_RunnerWithEffects`` where one of its duties applies, else the plain runner."""
+    """``_RunnerWithEffects`` where one of its duties applies, else
+    ``_RunnerWatchingNames`` where the function reads names it remembers,
+    else the plain runner."""
     if fun.base.call_effects is not None or any(_effect_duties(fun)):  # every keeping and replaying call
         return _RunnerWithEffects
-    return _Runner
+    return _RunnerWatchingNames if _names_watched(fun) is not None else _Runner
 
 
 def runner_for(fun: TorchFn) -> _Runner:
