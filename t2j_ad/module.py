@@ -286,7 +286,9 @@ def _weight_lists_renewed(recurrent: Sequence[torch.nn.Module]) -> None:
     again, not at those of the call that just ended: XLA's buffers, freed or
     reused after it (NOTE [inputs kept past a call] in kept_inputs.py)."""
     for module in recurrent:
-        module._update_flat_weights()
+        renew = getattr(module, "_update_flat_weights", None)  # private, as long as torch.nn.RNNBase has had it
+        if renew is not None:
+            renew()
 
 
 def _unbound_params_error(module: torch.nn.Module, unbound: Sequence[str]) -> ModuleChangedError:

@@ -481,9 +481,9 @@ class _Runner:
                 results = t = r = copied = None  # may view or be an input: the call's own, not kept
                 if not copying and CAN_MOVE:
                     release_kept_inputs(inputs, held)
-                elif any_kept(inputs, held):
+                elif sys.exception() is None and any_kept(inputs, held):  # not a failing call's traceback
                     base.keeps_inputs = True
-                    if not copying and sys.exception() is None:  # not in place of the call's own error
+                    if not copying:
                         raise unmovable_kept_input()
 
     def _serialized(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:

@@ -221,3 +221,4 @@ def test_where_inputs_cannot_be_moved_the_calls_own_error_is_raised(cannot_move)
     with pytest.raises(Exception, match="the function's own error"):
         jax.block_until_ready(f(jnp.ones(4), True))
     jax.block_until_ready(f(jnp.ones(4), False))
+    assert not any(entry.base.keeps_inputs for entry in f._cache.values())  # a traceback is no keeper
