@@ -158,7 +158,6 @@ def test_calls_that_keep_nothing_copy_nothing(monkeypatch, compile):
     assert moved == []
 
 
-
 def test_a_kept_storage_object_counts_as_kept(monkeypatch):
     monkeypatch.setattr(t2j_ad.runtime, "CAN_MOVE", True)  # the move itself only recorded, below
     moved = []
