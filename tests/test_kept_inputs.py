@@ -8,6 +8,7 @@ an immutable JAX array."""
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import jax
@@ -18,13 +19,25 @@ import torch
 from conftest import ON_GPU, to_numpy
 
 import t2j_ad
-from t2j_ad import kept_inputs
+from t2j_ad import kept_inputs, runtime
 
 # NOTE [inputs kept past a call]: GPU calls do not look for kept inputs yet.
+# T2J_AD_TEST_KEPT_INPUTS_ON_CUDA=1 runs these tests on a GPU with the look
+# turned on there (scripts/run_gpu_checks.sh's step kept-inputs-on-cuda), to
+# find whether it can be on for users.
+LOOK_ON_CUDA = os.environ.get("T2J_AD_TEST_KEPT_INPUTS_ON_CUDA") == "1"
 pytestmark = pytest.mark.skipif(
-    ON_GPU, reason="kept inputs are moved on the CPU only: the look is not yet checked on CUDA (torch 2.11 lacks "
-    "UntypedStorage._swap_data_ptr_, and an H100 run saw calls that keep nothing flagged)"
+    ON_GPU and not LOOK_ON_CUDA,
+    reason="kept inputs are moved on the CPU only: the look is not yet checked on CUDA (torch 2.11 lacks "
+    "UntypedStorage._swap_data_ptr_, and an H100 run saw calls that keep nothing flagged)",
 )
+
+
+@pytest.fixture(autouse=True)
+def _look_on_cuda(monkeypatch):
+    """With LOOK_ON_CUDA, CUDA calls look for kept inputs as CPU calls do."""
+    if LOOK_ON_CUDA:
+        monkeypatch.setattr(runtime, "_on_cuda", lambda inputs: False)
 
 
 class _Delta(torch.nn.Module):
