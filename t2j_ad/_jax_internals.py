@@ -8,6 +8,7 @@ moves an internal again, this is the only file that changes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -126,6 +127,7 @@ __all__ = [
     "ShapedArray",
     "buffer_callback",
     "compiles_only",
+    "outside_jax_traces",
     "float0",
     "hold_weakly_in_jax_caches",
     "lower_fun",
@@ -149,6 +151,13 @@ def compiles_only(module_context: Any) -> bool:
     lowered for a compile-only client, whose executables never run here."""
     backend = getattr(module_context, "backend", None)
     return _CompileOnlyClient is not None and isinstance(backend, _CompileOnlyClient)
+
+
+def outside_jax_traces() -> contextlib.AbstractContextManager[None]:
+    """A context in which JAX evaluates each operation at once, whatever trace
+    is current outside it (NOTE [trial runs outside the caller's trace] in
+    inference.py)."""
+    return _core.eval_context()
 
 
 def hold_weakly_in_jax_caches(cls: type) -> None:

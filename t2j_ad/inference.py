@@ -64,6 +64,18 @@ refused by the first real call that returns another (the runner checks
 every output). Effects made only for values other than ones stay unseen,
 as those neither zeros nor ones reach do above. If ones fail too, the error
 names what each run raised.
+
+NOTE [trial runs outside the caller's trace]
+A function's first call often comes inside the caller's ``jax.jit`` (or
+``jax.grad``, ``make_jaxpr``, ``lower``), and the trial runs above are made
+then, while JAX traces. A PyTorch function that does JAX work of its own
+(another jaxified function it calls, a ``jnp`` op on a NumPy copy) had that
+work staged into the caller's program: the conversion to NumPy met a tracer
+and the first call failed, or an inner function that keeps state ran, with
+the trial runs' zeros and ones, on every run of the compiled program. A
+real call runs on XLA's thread, outside any trace; so the trial runs run
+outside it too (``outside_jax_traces``), and JAX evaluates their work at
+once.
 """
 
 from __future__ import annotations
@@ -76,6 +88,7 @@ import jax
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ._jax_internals import outside_jax_traces
 from .convert import torch_dtype
 from .dropout_layouts import LayoutDependentDraws
 from .module_modes import UninitializedModuleError, recording_module_modes
@@ -131,7 +144,7 @@ def _run(
         # [calls run with grad mode on], NOTE [calls run without the caller's
         # autocast] in runtime.py).
         with torch.enable_grad(), torch._C._DisableAutocast(), recording_module_modes(modules) as modes, trial_run(dicts, modules) as run, RandomOpsSeen() as random_ops:
-            with LayoutDependentDraws() as layouts, seen_autocast:
+            with LayoutDependentDraws() as layouts, seen_autocast, outside_jax_traces():
                 outputs = fn(*inputs)
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
     if mutated:

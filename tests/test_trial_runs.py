@@ -340,6 +340,50 @@ def test_a_function_that_calls_another_jaxified_function_infers_its_shapes():
     np.testing.assert_allclose(f(x), expected, rtol=1e-6)
 
 
+def test_a_function_calling_another_jaxified_function_is_first_called_under_jit():
+    """NOTE [trial runs outside the caller's trace]: the trial runs ran
+    inside the caller's jax.jit trace, so the inner call's conversion to
+    NumPy met a tracer and the first call failed."""
+    inner = t2j_ad.jaxify(lambda x: x.sin() * 3)
+
+    def outer(x):
+        y = np.array(inner(x.cpu().numpy()))
+        return torch.as_tensor(y, device=x.device) * x
+
+    x = jnp.array([0.2, 0.5], dtype=jnp.float32)
+    expected = np.sin([0.2, 0.5]) * 3 * np.array([0.2, 0.5])
+    f = jax.jit(t2j_ad.jaxify(outer))
+    np.testing.assert_allclose(f(x), expected, rtol=1e-6)
+    np.testing.assert_allclose(f(x), expected, rtol=1e-6)
+
+
+def test_jax_work_in_a_trial_run_is_not_staged_into_the_callers_program():
+    """NOTE [trial runs outside the caller's trace]: an inner jaxified call
+    the trial runs made under the caller's jax.jit was staged into its
+    program, so every run of that program updated the inner state three
+    times, not once."""
+    count = torch.zeros(())
+
+    def bump(x):
+        count.add_(1)
+        return x * 1
+
+    inner = t2j_ad.jaxify(bump)
+
+    def outer(x):
+        inner(x.detach().cpu().numpy())
+        return x * 2
+
+    f = jax.jit(lambda x: t2j_ad.jaxify(outer)(x) + 1)
+    x = jnp.array([0.2, 0.5], dtype=jnp.float32)
+    jax.block_until_ready(f(x))
+    after_first = float(count)  # the trial runs' own inner calls, and the call's
+    for i in range(1, 4):
+        np.testing.assert_allclose(f(x), np.array([0.2, 0.5]) * 2 + 1, rtol=1e-6)
+        jax.effects_barrier()
+        assert float(count) == after_first + i
+
+
 def _foreach_update(ema):
     torch._foreach_add_([ema], 1.0)
 
