@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from .own_hooks import global_module_hooks
 from .references import reachable
 
 # Each module a trace ran, with its training flag then, in the order they ran.
@@ -92,11 +93,8 @@ def recording_module_modes(referenced: Sequence[torch.nn.Module] = ()) -> Iterat
         # With its submodules: model.encode(x) may read self.head.training.
         for sub in module.modules():
             recorder(sub, ())
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(recorder)
-    try:
+    with global_module_hooks(forward_pre=recorder):
         yield recorder
-    finally:
-        handle.remove()
 
 
 def modes_hold(modes: ModuleModes) -> bool:

@@ -21,6 +21,22 @@ only a call that finds the count moved compares the structure: one integer
 compare per call otherwise. Deleting an attribute (``del model.drop``)
 registers nothing and is not seen; neither is a Python flag the function
 reads.
+
+NOTE [a hook added after a call]
+A module hook is part of what the module does: a forward hook that applies
+dropout to the output, or updates a running statistic, registered after the
+function's first call (on one of its modules, or for every module with
+``register_module_forward_hook``), changed what the function draws and
+writes unseen, like a submodule swapped: ``jax.value_and_grad`` took the
+gradient through another mask than the value's, and a hook writing state
+was refused with reasons that did not apply. So the structure holds the
+forward, forward-pre, backward and backward-pre hooks of each submodule and
+the global ones (but t2j_ad's own, which its trial runs and replays add for
+a while: own_hooks.py), and every hook registered anywhere but by t2j_ad
+moves a count too (PyTorch numbers each ``RemovableHandle``), so a call
+compares the structure only after one was.
+A hook removed registers nothing and is not seen: the function then draws
+or writes less than its signature says, which replays nothing wrong.
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ import torch
 import torch.nn.modules.module as _module_hooks  # public: torch.nn.modules.module.register_module_*_hook
 
 from .named_bindings import BindingsSeen
+from .own_hooks import ours, user_hooks_registered
 
 # How many submodules, parameters and buffers have been registered on any
 # module since import; read without a lock (a stale read only costs a walk).
@@ -47,11 +64,39 @@ _module_hooks.register_module_parameter_registration_hook(_count)
 _module_hooks.register_module_buffer_registration_hook(_count)
 
 
+def _registrations() -> tuple[int, int]:
+    """How many submodules, parameters and buffers, and how many hooks, have
+    been registered so far (NOTE [a hook added after a call])."""
+    return _registered[0], user_hooks_registered()
+
+
+# A module's hook tables, and the global ones (NOTE [a hook added after a call]).
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOK_TABLES = tuple(f"_global{name}" for name in _HOOK_TABLES)
+
+
+def _hooks(table: Any) -> tuple[Any, ...]:
+    """The handles' ids of the hooks in ``table``, but t2j_ad's own."""
+    return tuple(key for key in table if not ours(key)) if table else ()
+
+
 def _structure(modules: Sequence[Any]) -> tuple[Any, ...]:
     """Each submodule of ``modules`` (by identity) with the names of its
-    parameters and buffers, in order."""
-    return tuple(
-        (id(sub), tuple(sub._parameters.keys()), tuple(sub._buffers.keys())) for root in modules for sub in root.modules()
+    parameters and buffers, in order, and its hooks; and the global hooks."""
+    if not modules:
+        return ()
+    return (
+        *(
+            (
+                id(sub),
+                tuple(sub._parameters.keys()),
+                tuple(sub._buffers.keys()),
+                *(_hooks(vars(sub).get(name)) for name in _HOOK_TABLES),
+            )
+            for root in modules
+            for sub in root.modules()
+        ),
+        tuple(_hooks(getattr(_module_hooks, name, None)) for name in _GLOBAL_HOOK_TABLES),
     )
 
 
@@ -70,7 +115,7 @@ class StructureSeen:
 
     def __init__(self, modules: Sequence[Any], bindings: BindingsSeen | None = None) -> None:
         self._modules = tuple(modules)
-        self._registered = _registered[0]
+        self._registered = _registrations()
         self._structure = _structure(self._modules)
         self._bindings = bindings
 
@@ -102,7 +147,7 @@ class StructureSeen:
     def holds(self) -> bool:
         if self._bindings is not None and not self._bindings.hold():
             return False
-        registered = _registered[0]
+        registered = _registrations()
         if registered == self._registered or not self._modules:
             return True
         if _structure(self._modules) != self._structure:

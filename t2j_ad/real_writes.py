@@ -55,6 +55,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # private: see the NOTE
 
 from .module_locks import acquire, in_lock_order, release
+from .own_hooks import global_module_hooks
 from .random_state import random_state_kept
 from .state_writes import StateWrites, bound_by_a_replay, memory_of
 from .trial_caches import CachesKept, changed_entries, parametrize_cache, put_back
@@ -386,16 +387,12 @@ class ModuleAttributesKept:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[ModuleAttributesKept]:
-        hooks = torch.nn.modules.module
-        starts = hooks.register_module_forward_pre_hook(self._starts)
-        ends = hooks.register_module_forward_hook(self._ends, always_call=True)
         outer, _watcher.kept = _watcher.kept, self
         try:
-            yield self
+            with global_module_hooks(self._starts, self._ends):
+                yield self
         finally:
             _watcher.kept = outer
-            starts.remove()
-            ends.remove()
             self._end_open_forwards(0)
             self._put_back_as_found()
 

@@ -870,7 +870,7 @@ class _RunnerWithEffects(_RunnerWatchingNames):
         if self.checks_flags and not effects_now(self.base).same_as(traced_for(self.base)):
             raise TorchCallError(
                 f"{self.name}: the modules it runs changed training mode (module.train() or .eval()), or "
-                f"had a submodule replaced, since jax.jit traced it (or a name it reads now holds another "
+                f"had a submodule replaced or a hook added, since jax.jit traced it (or a name it reads now holds another "
                 f"module, function or state tensor: model = ..., a helper defined again, acc = torch.zeros(3)), "
                 f"and now the function draws random "
                 f"numbers or updates state it keeps other than it did, which its derivatives would draw or "

@@ -71,6 +71,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes  # private, as in real_writes.py
 
 from .functorch_levels import outside_transforms
+from .own_hooks import global_module_hooks
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -180,13 +181,8 @@ def module_slots_entered(
             for slot, owner, name in held:
                 ends(slot, owner, name)
 
-    pre_hook = torch.nn.modules.module.register_module_forward_pre_hook(pre)
-    post_hook = torch.nn.modules.module.register_module_forward_hook(post, always_call=True)
-    try:
+    with global_module_hooks(pre, post):
         yield
-    finally:
-        pre_hook.remove()
-        post_hook.remove()
 
 
 class ReplayedBindings:

@@ -548,8 +548,93 @@ def test_a_submodule_swapped_in_after_a_call_is_seen_by_derivatives(x64):
         )(own)
         np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
         assert_tree_allclose(grads, {k: jnp.asarray(to_numpy(v)) for k, v in expected_grads.items()}, rtol=1e-10)
-    with pytest.raises(Exception, match="had a submodule replaced, since jax.jit traced it"):
+    with pytest.raises(Exception, match="had a submodule replaced or a hook added, since jax.jit traced it"):
         jax.block_until_ready(jitted(params))
+
+
+def _dropout_hook(module, args, output):
+    return nn.functional.dropout(output, 0.5, training=True)
+
+
+def _dropout_pre_hook(module, args):
+    return (nn.functional.dropout(args[0], 0.5, training=True),)
+
+
+def _add_hook(where, lin):
+    if where == "forward":
+        return lin.register_forward_hook(_dropout_hook)
+    if where == "forward_pre":
+        return lin.register_forward_pre_hook(_dropout_pre_hook)
+    return torch.nn.modules.module.register_module_forward_hook(_dropout_hook)
+
+
+@pytest.mark.parametrize("where", ["forward", "forward_pre", "every_module"])
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_hook_added_after_a_call_is_seen_by_derivatives(x64, where, compile):
+    """NOTE [a hook added after a call]: a hook that draws, registered after
+    the first call, was not seen: jax.value_and_grad took the gradient
+    through another dropout mask than its value's (and in graph mode the
+    value kept the graph traced without the hook); a program jitted before
+    the hook is refused."""
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 6).double().to(TORCH_DEVICE)
+
+    def loss(x):
+        return (lin(x) ** 2).sum()
+
+    f = t2j_ad.jaxify(loss, compile=compile)
+    x = jnp.linspace(-1.0, 1.0, 6)
+    value_and_grad = jax.value_and_grad(f)
+    jitted = jax.jit(value_and_grad)
+    value_and_grad(x)
+    jitted(x)
+    handle = _add_hook(where, lin)
+    try:
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            value, grad = value_and_grad(x)
+            torch.manual_seed(seed)
+            expected_grad, expected_value = torch.func.grad_and_value(loss)(to_torch(x))
+            np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
+            np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10, atol=1e-12)
+        with pytest.raises(Exception, match="or a hook added, since jax.jit traced it"):
+            jax.block_until_ready(jitted(x))
+    finally:
+        handle.remove()
+
+
+class _Counted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def test_a_hook_added_after_a_call_that_updates_a_buffer_updates_it_once_per_value_and_grad(x64):
+    """NOTE [a hook added after a call]: a forward hook counting calls into
+    a buffer, added after the first call, was refused with reasons that did
+    not apply (value-dependent writes, output_shapes)."""
+    net = _Counted().double().to(TORCH_DEVICE)
+    f = t2j_ad.jaxify(lambda x: (net(x) ** 2).sum())
+    x = jnp.ones((2, 3))
+    value_and_grad = jax.value_and_grad(f)
+    value_and_grad(x)
+    def count(module, args, output):
+        module.calls.add_(1)
+
+    handle = net.register_forward_hook(count)
+    try:
+        value, grad = value_and_grad(x)
+        value_and_grad(x)
+    finally:
+        handle.remove()
+    assert net.calls.item() == 2
+    expected_grad, expected_value = torch.func.grad_and_value(lambda t: (net(t) ** 2).sum())(to_torch(x))
+    np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
+    np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10)
 
 
 class _Checkpointed(nn.Module):
