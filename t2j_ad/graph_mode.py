@@ -238,7 +238,8 @@ def trace(
             seeds = SeedWatch(generators_in_use())
             refusing = refusing_reseeding(refusing_closed_over_reads(fn), seeds)
             graph = make_fx(refusing, _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
-            refuse_state_kept_in_objects(attributes.cache_state())  # before the trial run puts it back
+            # Before the trial run puts it back:
+            refuse_state_kept_in_objects(attributes.cache_state(), attributes.hook_filled())
         refuse_module_side_effects(attributes.rebound, attributes.python_state)
         return graph
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from .own_hooks import global_module_hooks
+from .module_hooks import own_global_hooks
 from .references import reachable
 
 # Each module a trace ran, with its training flag then, in the order they ran.
@@ -93,7 +93,7 @@ def recording_module_modes(referenced: Sequence[torch.nn.Module] = ()) -> Iterat
         # With its submodules: model.encode(x) may read self.head.training.
         for sub in module.modules():
             recorder(sub, ())
-    with global_module_hooks(forward_pre=recorder):
+    with own_global_hooks(forward_pre=recorder):
         yield recorder
 
 

@@ -32,7 +32,7 @@ gradient through another mask than the value's, and a hook writing state
 was refused with reasons that did not apply. So the structure holds the
 forward, forward-pre, backward and backward-pre hooks of each submodule and
 the global ones (but t2j_ad's own, which its trial runs and replays add for
-a while: own_hooks.py), and every hook registered anywhere but by t2j_ad
+a while: module_hooks.py), and every hook registered anywhere but by t2j_ad
 moves a count too (PyTorch numbers each ``RemovableHandle``), so a call
 compares the structure only after one was.
 A hook removed registers nothing and is not seen: the function then draws
@@ -47,8 +47,8 @@ from typing import Any
 import torch
 import torch.nn.modules.module as _module_hooks  # public: torch.nn.modules.module.register_module_*_hook
 
+from .module_hooks import user_hook_ids, user_hooks_registered
 from .named_bindings import BindingsSeen
-from .own_hooks import ours, user_hooks_registered
 
 # How many submodules, parameters and buffers have been registered on any
 # module since import; read without a lock (a stale read only costs a walk).
@@ -70,16 +70,6 @@ def _registrations() -> tuple[int, int]:
     return _registered[0], user_hooks_registered()
 
 
-# A module's hook tables, and the global ones (NOTE [a hook added after a call]).
-_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_GLOBAL_HOOK_TABLES = tuple(f"_global{name}" for name in _HOOK_TABLES)
-
-
-def _hooks(table: Any) -> tuple[Any, ...]:
-    """The handles' ids of the hooks in ``table``, but t2j_ad's own."""
-    return tuple(key for key in table if not ours(key)) if table else ()
-
-
 def _structure(modules: Sequence[Any]) -> tuple[Any, ...]:
     """Each submodule of ``modules`` (by identity) with the names of its
     parameters and buffers, in order, and its hooks; and the global hooks."""
@@ -91,12 +81,12 @@ def _structure(modules: Sequence[Any]) -> tuple[Any, ...]:
                 id(sub),
                 tuple(sub._parameters.keys()),
                 tuple(sub._buffers.keys()),
-                *(_hooks(vars(sub).get(name)) for name in _HOOK_TABLES),
+                user_hook_ids(sub),
             )
             for root in modules
             for sub in root.modules()
         ),
-        tuple(_hooks(getattr(_module_hooks, name, None)) for name in _GLOBAL_HOOK_TABLES),
+        user_hook_ids(None),
     )
 
 

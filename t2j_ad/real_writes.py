@@ -55,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # private: see the NOTE
 
 from .module_locks import acquire, in_lock_order, release
-from .own_hooks import global_module_hooks
+from .module_hooks import hooks_numbered, own_global_hooks, remove_hooks_since
 from .random_state import random_state_kept
 from .state_writes import StateWrites, bound_by_a_replay, memory_of
 from .trial_caches import CachesKept, changed_entries, parametrize_cache, put_back
@@ -303,6 +303,7 @@ class ModuleAttributesKept:
         # module and name each tensor bound in those was bound to.
         self._open: list[tuple[torch.nn.Module, _Noted, dict[int, tuple[torch.nn.Module, str]]]] = []
         self._noted: set[int] = set()  # ids of the modules some open frame noted
+        self.seen_modules: dict[int, torch.nn.Module] = {}  # every module a forward ran under, by id
 
     def _starts(self, module: torch.nn.Module, args: Any) -> None:
         if threading.get_ident() != self._thread:
@@ -311,6 +312,7 @@ class ModuleAttributesKept:
         owners: dict[int, tuple[torch.nn.Module, str]] = {}
         if id(module) not in self._noted:  # else an open frame noted it and those under it
             for sub in module.modules():
+                self.seen_modules.setdefault(id(sub), sub)
                 # A TorchScript module's forward cannot rebind its attributes from
                 # Python, and its tables are wrappers without dict methods.
                 if id(sub) not in self._noted and not isinstance(sub, torch.jit.ScriptModule):
@@ -389,7 +391,7 @@ class ModuleAttributesKept:
     def watching(self) -> Iterator[ModuleAttributesKept]:
         outer, _watcher.kept = _watcher.kept, self
         try:
-            with global_module_hooks(self._starts, self._ends):
+            with own_global_hooks(self._starts, self._ends):
                 yield self
         finally:
             _watcher.kept = outer
@@ -487,6 +489,11 @@ class TrialRun:
         it is put back when the run ends)."""
         return self._caches.state_changed()
 
+    def hook_filled(self) -> list[str]:
+        """What the run put, holding a tensor, in a dict or list a module hook
+        fills (NOTE [what module hooks fill] in trial_caches.py)."""
+        return self._caches.filled_by_hooks()
+
     def state_written(self) -> StateWrites:
         """The state the run updated: tensors kept between calls written in
         place, and tensors a ``forward`` bound in place of a module's (NOTE
@@ -581,12 +588,16 @@ def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()
         locks = in_lock_order(m for m in under if m._parameters or m._buffers)
         acquire(locks)
         caches = CachesKept()
+        first_hook = hooks_numbered()
+        kept = ModuleAttributesKept(caches, under)
         try:
             caches.note([*dicts, parametrize_cache()])
-            with ModuleAttributesKept(caches, under).watching() as attributes:
+            with kept.watching() as attributes:
                 writes = RealWritesUndone(attributes.owner_of)
                 with writes, random_state_kept():
                     yield TrialRun(attributes, writes, caches)
         finally:
             caches.take_back()
+            # NOTE [hooks a trial run registers] in module_hooks.py
+            remove_hooks_since(first_hook, [*under, *kept.seen_modules.values()])
             release(locks)

@@ -71,7 +71,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes  # private, as in real_writes.py
 
 from .functorch_levels import outside_transforms
-from .own_hooks import global_module_hooks
+from .module_hooks import own_global_hooks
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -181,7 +181,7 @@ def module_slots_entered(
             for slot, owner, name in held:
                 ends(slot, owner, name)
 
-    with global_module_hooks(pre, post):
+    with own_global_hooks(pre, post):
         yield
 
 

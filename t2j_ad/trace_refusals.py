@@ -117,11 +117,18 @@ def refuse_module_side_effects(rebound: Sequence[str], python_state: Sequence[st
     raise NotTraceable(f"a module's forward {what}; {fix}")
 
 
-def refuse_state_kept_in_objects(changed: Sequence[str]) -> None:
+def refuse_state_kept_in_objects(changed: Sequence[str], hook_filled: Sequence[str] = ()) -> None:
     """Raise ``NotTraceable`` if the trace rebound an entry a dict, or an
     attribute a plain object, it closes over already had, from or to a
     tensor (a KV cache's ``self.k = torch.cat([self.k, x])``): a graph
-    replays none of that Python, so later calls would not see it grow."""
+    replays none of that Python, so later calls would not see it grow; or
+    put a tensor in a dict or list a module hook fills, ``hook_filled``
+    (NOTE [what module hooks fill] in trial_caches.py)."""
+    if hook_filled:
+        raise NotTraceable(
+            f"a module hook puts tensors into a dict or list its code names ({', '.join(dict.fromkeys(hook_filled))}: "
+            f"saved activations), and a graph replays no hook, so only eager calls fill it"
+        )
     if changed:
         raise NotTraceable(
             f"it binds a new tensor to {', '.join(dict.fromkeys(changed))} of a dict or plain object it closes over "

@@ -25,6 +25,20 @@ run touches does; caches of other kinds (``functools.lru_cache``) are not
 seen. A graph-mode trace that changes an entry a dict or object already
 had, from or to a tensor (a KV cache grown by ``torch.cat``), is refused:
 the graph would not grow it (trace_refusals.refuse_state_kept_in_objects).
+
+NOTE [what module hooks fill]
+A forward hook that saves activations (``acts[name] = output.detach()``, or
+``acts.append(output)``) fills a dict or list its own code names, which the
+function's code never names. Not noted, such a dict kept what each trial
+run put there: a meta tensor from the run that infers shapes, until the
+first real call wrote over it; and in graph mode the trace's fake tensor,
+for good, since a graph replays no hook: reading the activation raised, and
+no call updated it, silently. So the dicts and lists the hooks of the
+modules a function refers to (and the global hooks) can reach are noted too
+(``HookFilled``), lists included: what a trial run adds to one is taken
+back, so a list of activations gets only the real calls' entries; and a
+trace that adds a tensor to one is refused (the call runs eagerly, with a
+``FallbackWarning``), since only eager calls run the hook.
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ from typing import Any
 
 import torch
 
+from .module_hooks import user_hooks
 from .references import reachable
 
 ABSENT = object()  # an entry a table did not, or does not, have
@@ -77,18 +92,34 @@ def holds_tensor(value: Any, depth: int = 0) -> bool:
     return False
 
 
+class HookFilled:
+    """A dict or list a module hook can reach (NOTE [what module hooks fill])."""
+
+    __slots__ = ("container",)
+
+    def __init__(self, container: dict[Any, Any] | list[Any]) -> None:
+        self.container = container
+
+
 class CachesKept:
     """The dicts noted, each as it was when first noted; ``take_back`` puts
     back each entry changed since to a value holding a tensor (NOTE [trial
-    runs leave caches as they found them])."""
+    runs leave caches as they found them]); and the dicts and lists module
+    hooks fill (NOTE [what module hooks fill])."""
 
     def __init__(self) -> None:
         self._saved: dict[int, tuple[dict[Any, Any], dict[Any, Any]]] = {}
+        self._hook_filled: dict[int, tuple[Any, Any]] = {}  # id -> (container, a copy)
 
     def note(self, dicts: Iterable[Any]) -> None:
         for d in dicts:
-            if type(d) is dict and id(d) not in self._saved:
+            if isinstance(d, HookFilled):
+                c = d.container
+                if id(c) not in self._hook_filled and id(c) not in self._saved:
+                    self._hook_filled[id(c)] = (c, type(c)(c))
+            elif type(d) is dict and id(d) not in self._saved:
                 self._saved[id(d)] = (d, dict(d))
+                self._hook_filled.pop(id(d), None)
 
     def note_attributes(self, module: torch.nn.Module) -> None:
         """Note the dicts ``module`` holds as attributes (its caches)."""
@@ -106,6 +137,17 @@ class CachesKept:
             if old is not ABSENT and (holds_tensor(new) or holds_tensor(old))
         ]
 
+    def filled_by_hooks(self) -> list[str]:
+        """What the run put in a dict or list a module hook fills that holds a
+        tensor (NOTE [what module hooks fill])."""
+        found = []
+        for c, saved in self._hook_filled.values():
+            if type(c) is dict:
+                found += [repr(key) for key, _, new in changed_entries(c, saved) if holds_tensor(new)]
+            elif any(holds_tensor(v) for v in _list_changes(c, saved)):
+                found.append(f"an entry of a list of {len(c)}")
+        return found
+
     def take_back(self) -> None:
         for d, saved in self._saved.values():
             changed = changed_entries(d, saved)
@@ -115,13 +157,28 @@ class CachesKept:
                 for key, old, _ in changed:
                     put_back(d, key, old)
         self._saved.clear()
+        for c, saved in self._hook_filled.values():
+            if type(c) is dict:
+                for key, old, new in changed_entries(c, saved):
+                    if holds_tensor(new) or holds_tensor(old):
+                        put_back(c, key, old)
+            elif any(holds_tensor(v) for v in _list_changes(c, saved)):
+                c[:] = saved
+        self._hook_filled.clear()
 
 
-def dicts_named_by(fn: Callable[..., Any], modules: Iterable[torch.nn.Module] = ()) -> list[dict[Any, Any]]:
+def _list_changes(now: list[Any], saved: list[Any]) -> list[Any]:
+    """The entries of ``now`` that are not those of ``saved``, place by place."""
+    return [v for i, v in enumerate(now) if i >= len(saved) or saved[i] is not v] + saved[len(now) :]
+
+
+def dicts_named_by(fn: Callable[..., Any], modules: Iterable[torch.nn.Module] = ()) -> list[dict[Any, Any] | HookFilled]:
     """The dicts ``fn`` can reach: those its code names from its closure or
     globals (or a ``functools.partial``'s arguments, or a bound method's
     ``self`` or a plain object it names holds), the dicts those hold, and
-    those the ``modules`` and their submodules hold as attributes."""
+    those the ``modules`` and their submodules hold as attributes; and, as
+    ``HookFilled``, the dicts and lists the hooks of those modules, and the
+    global ones, can reach (NOTE [what module hooks fill])."""
     found = {id(d): d for d in reachable(fn, lambda obj: type(obj) is dict, stop=(torch.nn.Module,))}
     for d in list(found.values()):  # holder.cache[n] = ... in an object the code names
         for value in d.values() if len(d) <= _ENTRIES else ():
@@ -132,11 +189,17 @@ def dicts_named_by(fn: Callable[..., Any], modules: Iterable[torch.nn.Module] = 
                 held = _attributes_of(entry) if type(entry) is not dict else entry
                 if held is not None:
                     found.setdefault(id(held), held)
-    for module in modules:
-        for sub in module.modules():
-            for value in module_dicts(sub):
-                found.setdefault(id(value), value)
-    return list(found.values())
+    subs = list({id(sub): sub for module in modules for sub in module.modules()}.values())
+    for sub in subs:
+        for value in module_dicts(sub):
+            found.setdefault(id(value), value)
+    filled = [
+        HookFilled(c)
+        for hook in user_hooks(subs)
+        for c in reachable(hook, lambda obj: type(obj) in (dict, list), stop=(torch.nn.Module,))
+        if id(c) not in found
+    ]
+    return [*found.values(), *{id(h.container): h for h in filled}.values()]
 
 
 def _attributes_of(obj: Any) -> dict[str, Any] | None:

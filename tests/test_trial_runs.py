@@ -384,6 +384,108 @@ def test_jax_work_in_a_trial_run_is_not_staged_into_the_callers_program():
         assert float(count) == after_first + i
 
 
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_activations_a_forward_hook_saves_in_a_dict_are_each_calls_own(x64, compile):
+    """NOTE [what module hooks fill]: the dict a hook fills was not noted,
+    so in graph mode it kept the trace's fake tensor for good (reading it
+    raised, no call updated it); such a trace is refused now."""
+    lin = torch.nn.Linear(3, 2).double().to(TORCH_DEVICE)
+    acts = {}
+
+    def save(module, args, output):
+        acts["lin"] = output.detach()
+
+    handle = lin.register_forward_hook(save)
+    try:
+        f = t2j_ad.jaxify(lambda x: (torch.tanh(lin(x)) ** 2).sum(), compile=compile)
+        x = jnp.array([[0.3, -1.2, 0.7], [0.1, 0.4, -0.2]])
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            for step in range(3):
+                xs = x + step
+                (f if step < 2 else jax.grad(f))(xs)
+                expected = torch.nn.functional.linear(to_torch(xs), lin.weight, lin.bias).detach()
+                assert type(acts["lin"]) is torch.Tensor and acts["lin"].device == expected.device
+                np.testing.assert_allclose(to_numpy(acts["lin"]), to_numpy(expected), rtol=1e-12)
+        fallbacks = [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
+        if compile == "graph":
+            assert fallbacks and all("a module hook puts tensors into a dict or list" in m for m in fallbacks)
+    finally:
+        handle.remove()
+
+
+def test_a_list_a_forward_hook_appends_to_gets_the_real_calls_entries_only(x64):
+    """NOTE [what module hooks fill]: the runs that infer output shapes each
+    appended an entry (a meta tensor, zeros) before the real calls'."""
+    lin = torch.nn.Linear(3, 2).double().to(TORCH_DEVICE)
+    acts = []
+    handle = lin.register_forward_hook(lambda module, args, output: acts.append(output.detach()))
+    try:
+        f = t2j_ad.jaxify(lambda x: torch.tanh(lin(x)).sum())
+        xs = [jnp.full((2, 3), 0.5), jnp.full((2, 3), -0.25)]
+        for x in xs:
+            f(x)
+        assert len(acts) == 2
+        for act, x in zip(acts, xs):
+            expected = torch.nn.functional.linear(to_torch(x), lin.weight, lin.bias).detach()
+            np.testing.assert_allclose(to_numpy(act), to_numpy(expected), rtol=1e-12)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_hook_the_function_registers_and_removes_is_not_left_by_a_failing_trial_run(x64, compile):
+    """NOTE [hooks a trial run registers]: the run on the meta device failed
+    between register_forward_hook and remove(), so the hook stayed: every
+    call ran it again (values 8x, 64x off) and left more."""
+    lin = torch.nn.Linear(3, 3).double().to(TORCH_DEVICE)
+
+    def features(x):
+        handle = lin.register_forward_hook(lambda module, args, output: output * 2)
+        y = lin(x)
+        handle.remove()
+        return y.sum()
+
+    f = t2j_ad.jaxify(features, compile=compile)
+    x = jnp.array([0.3, -1.2, 0.7], dtype=jnp.float64)
+    expected = features(to_torch(x)).item()
+    for _ in range(3):
+        np.testing.assert_allclose(f(x), expected, rtol=1e-12)
+    assert not lin._forward_hooks
+
+
+class _HooksOnce(torch.nn.Module):
+    """Installs a hook on its first forward, behind a flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.hooked = False
+
+    def forward(self, x):
+        if not self.hooked:
+            self.lin.register_forward_hook(lambda module, args, output: output * 1.5)
+            self.hooked = True
+        return self.lin(x).sum()
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_hook_a_forward_installs_once_is_installed_once(x64, compile):
+    """NOTE [hooks a trial run registers]: each trial run installed the hook
+    and had its flag put back, so the module ran it four times, for good."""
+    torch.manual_seed(0)
+    net = _HooksOnce().double().to(TORCH_DEVICE)
+    reference = copy.deepcopy(net)
+    f = t2j_ad.jaxify(lambda x: net(x), compile=compile)
+    x = jnp.array([0.3, -1.2, 0.7], dtype=jnp.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # graph mode: the forward changes a flag
+        values = [float(f(x)) for _ in range(2)]
+    expected = [reference(to_torch(x)).item() for _ in range(2)]
+    np.testing.assert_allclose(values, expected, rtol=1e-12)
+    assert len(net.lin._forward_hooks) == 1 and net.hooked
+
+
 def _foreach_update(ema):
     torch._foreach_add_([ema], 1.0)
 

@@ -1,0 +1,131 @@
+"""Module hooks: the user's, as a module and the global tables hold them,
+and t2j_ad's own, which its trial runs and replays add for the length of a
+call and which must not count as the user's.
+
+NOTE [a hook added after a call] (module_structure.py) compares the hooks of
+a function's modules again only after PyTorch has numbered another hook
+(``RemovableHandle.next_id``). The hooks t2j_ad itself adds (a replay of a
+``BatchNorm`` in training mode adds two per call) would move that number on
+every call, and every call would walk the modules; so they are registered
+here (``own_global_hooks``), which counts them and remembers their ids:
+``user_hooks_registered`` is the number less ours, and ``user_hooks``
+leaves ours out.
+
+NOTE [hooks a trial run registers]
+A function may register a hook as it runs: a feature extractor that
+registers one, runs the model and removes it, or a module that installs
+one on its first ``forward`` behind a flag. A trial run that failed
+between the two (the run on the meta device, inside the model) left the
+hook on the module for good, and a trial run puts a ``forward``'s flags
+back (NOTE [Python state in trial runs] in real_writes.py), so the real
+call installed the hook again: every module the function ran then ran its
+hook two to four times, in t2j_ad's calls and the user's own PyTorch
+calls, and every call resolved its signature again (NOTE [a hook added
+after a call]) and added more. So a trial run removes, as it ends, every
+hook numbered since it started (PyTorch numbers hooks in order) from the
+modules it ran or refers to and from the global tables, the tables of
+hooks with keyword arguments, always-called hooks and state-dict hooks
+included. A hook another thread registers on one of those modules while a
+trial run is on is removed too; a hook on a tensor is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.modules.module as _module_hooks  # public: torch.nn.modules.module.register_module_*_hook
+from torch.utils.hooks import RemovableHandle
+
+# The hook tables of a module, and the global ones (forward, forward-pre,
+# backward and backward-pre hooks).
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOK_TABLES = tuple(f"_global{name}" for name in _HOOK_TABLES)
+
+# How many hooks t2j_ad has registered, and the ids of those registered now.
+# Read and written without a lock: a lost count costs one walk of the modules.
+_registered_by_us = [0]
+_ids_now: set[int] = set()
+
+
+def user_hooks_registered() -> int:
+    """How many hooks have been registered anywhere but by t2j_ad."""
+    return RemovableHandle.next_id - _registered_by_us[0]
+
+
+def hooks_numbered() -> int:
+    """The number PyTorch gives the next hook registered anywhere."""
+    return RemovableHandle.next_id
+
+
+def _every_table(module: torch.nn.Module | None) -> list[dict[Any, Any]]:
+    """Every table of hooks ``module`` holds (the global ones for None),
+    those of hooks with keyword arguments and always-called hooks, keyed by
+    the same numbers, included."""
+    attributes = vars(_module_hooks) if module is None else getattr(module, "__dict__", {})
+    return [
+        table
+        for name, table in list(attributes.items())
+        if "hooks" in name and isinstance(table, dict) and (module is not None or name.startswith("_global"))
+    ]
+
+
+def remove_hooks_since(first: int, modules: Iterable[torch.nn.Module]) -> None:
+    """Remove every hook numbered ``first`` or later, but t2j_ad's own, from
+    ``modules`` and the global tables (NOTE [hooks a trial run registers])."""
+    for module in (*modules, None):
+        for table in _every_table(module):
+            for key in [k for k in table if type(k) is int and k >= first and k not in _ids_now]:
+                del table[key]
+
+
+def _tables(module: torch.nn.Module | None) -> list[Any]:
+    """``module``'s hook tables; the global ones for None."""
+    if module is None:
+        return [getattr(_module_hooks, name, None) for name in _GLOBAL_HOOK_TABLES]
+    attributes = getattr(module, "__dict__", {})
+    return [attributes.get(name) for name in _HOOK_TABLES]
+
+
+def user_hook_ids(module: torch.nn.Module | None) -> tuple[tuple[int, ...], ...]:
+    """The handles' ids of ``module``'s hooks (the global ones for None),
+    table by table, but t2j_ad's own."""
+    return tuple(tuple(key for key in table if key not in _ids_now) if table else () for table in _tables(module))
+
+
+def user_hooks(modules: Iterable[torch.nn.Module]) -> list[Callable[..., Any]]:
+    """The hooks of ``modules`` and the global ones, but t2j_ad's own."""
+    return [
+        hook
+        for module in (*modules, None)
+        for table in _tables(module)
+        if table
+        for key, hook in list(table.items())
+        if key not in _ids_now
+    ]
+
+
+@contextlib.contextmanager
+def own_global_hooks(
+    forward_pre: Callable[..., Any] | None = None, forward: Callable[..., Any] | None = None
+) -> Iterator[None]:
+    """Within the block, ``forward_pre(module, args)`` before every module's
+    ``forward`` and ``forward(module, args, output)`` after it (also when it
+    raises), for every module."""
+    handles: list[RemovableHandle] = []
+    try:
+        if forward_pre is not None:
+            _registered_by_us[0] += 1
+            handles.append(_module_hooks.register_module_forward_pre_hook(forward_pre))
+            _ids_now.add(handles[-1].id)
+        if forward is not None:
+            _registered_by_us[0] += 1
+            handles.append(_module_hooks.register_module_forward_hook(forward, always_call=True))
+            _ids_now.add(handles[-1].id)
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+            _ids_now.discard(handle.id)
