@@ -391,6 +391,9 @@ class _Runner:
             if (not copying or not (CAN_MOVE or base.keeps_inputs)) and not (self.other_devices and _on_cuda(inputs))
             else None
         )
+        # An exception the caller is handling (a call made in its except or
+        # finally block): sys.exception() shows it in the finally below too.
+        handling = sys.exception() if held is not None else None
         threads = _get_num_threads()
         if threads != n:
             _set_num_threads(n)  # NOTE [torch threads]: for this call only, put back below
@@ -481,7 +484,7 @@ class _Runner:
                 results = t = r = copied = None  # may view or be an input: the call's own, not kept
                 if not copying and CAN_MOVE:
                     release_kept_inputs(inputs, held)
-                elif sys.exception() is None and any_kept(inputs, held):  # not a failing call's traceback
+                elif sys.exception() is handling and any_kept(inputs, held):  # not a failing call's traceback
                     base.keeps_inputs = True
                     if not copying:
                         raise unmovable_kept_input()

@@ -203,7 +203,10 @@ def test_where_inputs_cannot_be_moved_a_function_keeping_them_from_the_start_run
     np.testing.assert_allclose(ys, _deltas(_XS.astype(np.float32)), rtol=1e-6, atol=1e-6)
 
 
-def test_where_inputs_cannot_be_moved_a_function_that_starts_keeping_fails_that_call_only(cannot_move):
+@pytest.mark.parametrize("where", ["plainly", "in_an_except_block"])
+def test_where_inputs_cannot_be_moved_a_function_that_starts_keeping_fails_that_call_only(cannot_move, where):
+    """Made in the caller's except block, the call was taken for a failing
+    one and not looked at: its kept input read XLA's reused buffer."""
     kept = []
 
     def fn(x, keep):
@@ -215,7 +218,13 @@ def test_where_inputs_cannot_be_moved_a_function_that_starts_keeping_fails_that_
     jax.block_until_ready(step(jnp.zeros(4), False))  # on copies; kept nothing
     jax.block_until_ready(step(jnp.zeros(4), False))  # on XLA's buffers
     with pytest.raises(Exception, match=r"cannot move it to memory of its own.*Later calls run on copies"):
-        jax.block_until_ready(step(jnp.zeros(4), True))
+        if where == "plainly":
+            jax.block_until_ready(step(jnp.zeros(4), True))
+        else:
+            try:
+                raise KeyError("a failure of the caller's own, which it handles")
+            except KeyError:
+                jax.block_until_ready(step(jnp.zeros(4), True))
     for i in range(3):
         jax.block_until_ready(step(jnp.full((4,), float(i)), True))
         [jax.block_until_ready(jnp.full((4,), -1.0) + 0) for _ in range(50)]  # same-sized work after it
