@@ -343,7 +343,7 @@ class JaxifiedFunction:
             effects = inferred.effects
             if effects.writes.closed_over:  # NOTE [a name rebound after a call]: acc = torch.zeros(3) later
                 structure.watch_tensor_names(effects.writes.closed_over)
-            structure.forget_names_it_rebinds()
+            structure.watch_names_it_rebinds()
             with_paths, out_tree = jax.tree_util.tree_flatten_with_path(inferred.outputs, is_leaf=_is_output_leaf)
             for _ in range(_NESTED_RESULT_CLASSES):  # NOTE [PyTorch's pytree nodes in results]: one level a time
                 if not registered_from_torch(leaf for _, leaf in with_paths):

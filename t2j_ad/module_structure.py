@@ -121,12 +121,14 @@ class StructureSeen:
         """Whether the names it remembers hold what they held."""
         return self._bindings is None or self._bindings.hold()
 
-    def forget_names_it_rebinds(self) -> None:
-        """Stop looking at the names that hold another object already: the
+    def watch_names_it_rebinds(self, rebase: bool = True) -> None:
+        """Watch by code the names that hold another object already: the
         function's own runs rebound them (``state.on_done = lambda: ...``),
-        as it will on every call (NOTE [a name rebound after a call])."""
+        as it will on every call (NOTE [a name the function rebinds, watched
+        by its code] in named_bindings.py); with ``rebase``, whatever code
+        they hold now, else only those that hold the code they held."""
         if self._bindings is not None:
-            self._bindings.forget_moved()
+            self._bindings.watch_moved_by_code(rebase)
 
     def watch_tensor_names(self, written: Sequence[torch.Tensor]) -> None:
         """Remember the names that hold ``written`` too, the tensors the

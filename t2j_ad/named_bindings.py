@@ -33,13 +33,29 @@ one twice. A module's plain attributes that hold functions
 (``nn.TransformerEncoderLayer``'s ``activation``), and a ``forward`` set
 on one of the user's modules later, count as names too, and so does the
 ``__call__`` of a callable object of the user's. A name the function's own
-run binds afresh (``state.on_done = lambda: ...``) is not remembered: it
-changes on every call. The runs that infer output shapes show most such
-names; a module's attribute (``self.act = lambda ...`` in a ``forward``)
-they put back, so a call that finds the names as remembered at its start,
-and rebound at its end, forgets those too (runtime.py): every call had
-resolved its signature again, 60-140x slower. The look costs one lookup
-per remembered name per call (most functions have one or two).
+run binds afresh (``state.on_done = lambda: ...``) changes on every call,
+so it is watched by code (below). The runs that infer output shapes show
+most such names; a module's attribute (``self.act = lambda ...`` in a
+``forward``) they put back, so a call that finds the names as remembered
+at its start, and rebound at its end, looks at those too (runtime.py):
+every call had resolved its signature again, 60-140x slower. The look
+costs one lookup per remembered name per call (most functions have one or
+two).
+
+NOTE [a name the function rebinds, watched by its code]
+Such a name was first forgotten, which missed a function that chooses what
+it binds: ``self.act = drop if self.noisy else ident``, or a fresh
+``lambda`` of one code or another, after ``noisy`` was set; the gradient
+then went through another dropout mask than the value's, for good. So a
+name the function's own run rebinds is watched by the code of what it
+holds (``_code_key``: a function's code and, one level down, what its
+closure holds; a ``partial``'s function and the names of its arguments; a
+method's function and object; the type of any other object): a fresh
+``lambda`` of the same code every call holds, and one of other code is a
+name rebound, looked at again as above. A call that rebinds a name to
+something of other code than it held (another thread's rebinding during
+the call, or a flag the function reads switched) leaves it watched as
+before, so the next call resolves the signature again.
 """
 
 from __future__ import annotations
@@ -75,6 +91,38 @@ def _held(holder: Any, key: Any) -> Any:
         except Exception:  # noqa: BLE001 - a proxy's attribute access may raise anything
             return GONE
     return held_at(holder, key)
+
+
+class _ByCode:
+    """What a name watched by code held: the ``_code_key`` of it (NOTE [a
+    name the function rebinds, watched by its code])."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+
+def _cell_key(cell: Any) -> Any:
+    try:
+        held = cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+    return held.__code__ if inspect.isfunction(held) else type(held)
+
+
+def _code_key(obj: Any) -> Any:
+    """What makes two objects bound to a name do the same (NOTE [a name the
+    function rebinds, watched by its code]); hashable."""
+    if inspect.isfunction(obj):
+        return (obj.__code__, tuple(_cell_key(c) for c in obj.__closure__ or ()))
+    if isinstance(obj, functools.partial):
+        return ("partial", _code_key(obj.func), len(obj.args), tuple(sorted(obj.keywords)))
+    if inspect.ismethod(obj):
+        return ("method", _code_key(obj.__func__), id(obj.__self__))
+    if inspect.isbuiltin(obj) or isinstance(obj, type):
+        return ("the same", id(obj))
+    return ("of type", type(obj))
 
 
 class _Same:
@@ -159,20 +207,36 @@ class BindingsSeen:
         reachable(self._fn, updated, bindings=found)
         self._bindings = _unique([*self._bindings, *(b for b in found if not a_callable(b[2]))])
 
-    def forget_moved(self) -> None:
-        """Stop looking at the names that hold another object now."""
-        self._bindings = tuple(filter(_holds, self._bindings))
+    def watch_moved_by_code(self, rebase: bool) -> None:
+        """Watch by code the names that hold another object now (NOTE [a
+        name the function rebinds, watched by its code]): with ``rebase``
+        (the runs that infer shapes rebound them), by the code of what they
+        hold now; else (a call rebound them), each that holds something of
+        the code it held, and the others stay as they were."""
+        watched = []
+        for holder, key, value in self._bindings:
+            now = _held(holder, key)
+            if now is not value and type(value) is not _ByCode:
+                if rebase or _code_key(now) == _code_key(value):
+                    value = _ByCode(_code_key(now))
+            watched.append((holder, key, value))
+        self._bindings = tuple(watched)
 
     def hold(self) -> bool:
         for holder, key, value in self._bindings:
-            if _held(holder, key) is not value:
+            now = _held(holder, key)
+            if now is not value and (type(value) is not _ByCode or _code_key(now) != value.key):
                 return False
         return True
 
-    def now(self) -> tuple[_Same, ...]:
+    def now(self) -> tuple[Any, ...]:
         """Which objects the names hold now, by identity (kept alive with
-        what they key, so no other object takes their ids)."""
-        return tuple(_Same(_held(holder, key)) for holder, key, _ in self._bindings)
+        what they key, so no other object takes their ids), or by code
+        where watched so."""
+        return tuple(
+            _code_key(_held(holder, key)) if type(value) is _ByCode else _Same(_held(holder, key))
+            for holder, key, value in self._bindings
+        )
 
 
 def _unique(bindings: list[tuple[Any, Any, Any]]) -> tuple[tuple[Any, Any, Any], ...]:
@@ -183,6 +247,7 @@ def _unique(bindings: list[tuple[Any, Any, Any]]) -> tuple[tuple[Any, Any, Any],
 
 
 def _holds(binding: tuple[Any, Any, Any]) -> bool:
-    """Whether a name still holds what it held."""
+    """Whether a name still holds what it held (by code, where watched so)."""
     holder, key, value = binding
-    return _held(holder, key) is value
+    now = _held(holder, key)
+    return now is value or (type(value) is _ByCode and _code_key(now) == value.key)

@@ -793,7 +793,7 @@ class _RunnerWatchingNames(_Runner):
         if not as_seen:
             return
         if not names.names_hold():
-            names.forget_names_it_rebinds()
+            names.watch_names_it_rebinds(rebase=False)
             return
         self.calls_rebinding_none += 1
         if self.calls_rebinding_none >= _CALLS_TO_STOP_LOOKING:
@@ -873,12 +873,13 @@ class _RunnerWithEffects(_RunnerWatchingNames):
         if self.checks_flags and not effects_now(self.base).same_as(traced_for(self.base)):
             raise TorchCallError(
                 f"{self.name}: the modules it runs changed training mode (module.train() or .eval()), or "
-                f"had a submodule replaced or a hook added, since jax.jit traced it (or a name it reads now holds another "
-                f"module, function or state tensor: model = ..., a helper defined again, acc = torch.zeros(3)), "
-                f"and now the function draws random "
-                f"numbers or updates state it keeps other than it did, which its derivatives would draw or "
-                f"update a second time. Trace again after such a change: jax.clear_caches(), or a new "
-                f"jax.jit of it."
+                f"had a submodule replaced or a hook added, since jax.jit traced it (or a name it reads now "
+                f"holds another module, function or state tensor: model = ..., a helper defined again, "
+                f"acc = torch.zeros(3); or its own run bound one, as self.act = drop if self.noisy else ident "
+                f"does), and now the function draws random numbers or updates state it keeps other than it "
+                f"did, which its derivatives would draw or update a second time. Trace again after such a "
+                f"change: jax.clear_caches(), or a new jax.jit of it (without jax.jit, the next call of the "
+                f"transform traces again by itself)."
             )
         call_effects = self.base.call_effects
         # On a GPU, the generator is handled in the nested call on XLA's stream.
