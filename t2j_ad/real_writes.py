@@ -489,6 +489,12 @@ class TrialRun:
         it is put back when the run ends)."""
         return self._caches.state_changed()
 
+    def added_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Each entry the run added to a dict or object the function reaches,
+        with each tensor it holds (NOTE [an entry a trace adds, from the
+        inputs] in trial_caches.py)."""
+        return self._caches.added_tensors()
+
     def hook_filled(self) -> list[str]:
         """What the run put, holding a tensor, in a dict or list a module hook
         fills (NOTE [what module hooks fill] in trial_caches.py)."""

@@ -117,17 +117,28 @@ def refuse_module_side_effects(rebound: Sequence[str], python_state: Sequence[st
     raise NotTraceable(f"a module's forward {what}; {fix}")
 
 
-def refuse_state_kept_in_objects(changed: Sequence[str], hook_filled: Sequence[str] = ()) -> None:
+def refuse_state_kept_in_objects(
+    changed: Sequence[str], hook_filled: Sequence[str] = (), from_inputs: Sequence[str] = ()
+) -> None:
     """Raise ``NotTraceable`` if the trace rebound an entry a dict, or an
     attribute a plain object, it closes over already had, from or to a
     tensor (a KV cache's ``self.k = torch.cat([self.k, x])``): a graph
     replays none of that Python, so later calls would not see it grow; or
     put a tensor in a dict or list a module hook fills, ``hook_filled``
-    (NOTE [what module hooks fill] in trial_caches.py)."""
+    (NOTE [what module hooks fill] in trial_caches.py); or added an entry
+    computed from the function's inputs, ``from_inputs`` (NOTE [an entry a
+    trace adds, from the inputs] in trial_caches.py)."""
     if hook_filled:
         raise NotTraceable(
             f"a module hook puts tensors into a dict or list its code names ({', '.join(dict.fromkeys(hook_filled))}: "
             f"saved activations), and a graph replays no hook, so only eager calls fill it"
+        )
+    if from_inputs:
+        raise NotTraceable(
+            f"it adds an entry computed from its inputs ({', '.join(dict.fromkeys(from_inputs))}) to a dict or "
+            f"plain object it closes over (state a later call reads, such as a streaming module's previous "
+            f"input, or saved activations), which a graph's replay would not write; keep such state in a "
+            f"preallocated tensor updated in place (buf.copy_(x)) to keep the graph"
         )
     if changed:
         raise NotTraceable(

@@ -39,6 +39,18 @@ modules a function refers to (and the global hooks) can reach are noted too
 back, so a list of activations gets only the real calls' entries; and a
 trace that adds a tensor to one is refused (the call runs eagerly, with a
 ``FallbackWarning``), since only eager calls run the hook.
+
+NOTE [an entry a trace adds, from the inputs]
+An entry a graph-mode trace adds is a cache filled (a basis per size), and
+the graph, which computes it again on every replay, does what the function
+does. Not so for one computed from the function's inputs: a streaming
+function's ``self.cache["prev"] = x``, read back on the next call, or
+activations saved in a global dict. The graph never wrote it, so every
+replay computed as on a first call (``[1, 4, 9, 16]`` where PyTorch gives
+``[1, 3, 5, 7]``), or the entry was missing after every call, silently.
+So the trace also returns the tensors it added (``added_tensors``), and an
+entry whose value the graph computes from an input is state: the trace is
+refused and the function runs eagerly (graph_mode.py).
 """
 
 from __future__ import annotations
@@ -76,6 +88,19 @@ def put_back(table: Any, key: Any, old: Any) -> None:
 # The most entries of a container holds_tensor looks into, and how deep.
 _ENTRIES = 64
 _DEPTH = 2
+
+
+def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors ``value`` is or holds, as far as ``holds_tensor`` looks."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth >= _DEPTH:
+        return []
+    if isinstance(value, (tuple, list)) and len(value) <= _ENTRIES:
+        return [t for v in value for t in _tensors_in(v, depth + 1)]
+    if isinstance(value, dict) and len(value) <= _ENTRIES:
+        return [t for v in value.values() for t in _tensors_in(v, depth + 1)]
+    return []
 
 
 def holds_tensor(value: Any, depth: int = 0) -> bool:
@@ -135,6 +160,17 @@ class CachesKept:
             for d, saved in self._saved.values()
             for key, old, new in changed_entries(d, saved)
             if old is not ABSENT and (holds_tensor(new) or holds_tensor(old))
+        ]
+
+    def added_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Each entry the run added to a dict or object (none before), with
+        each tensor it holds (NOTE [an entry a trace adds, from the inputs])."""
+        return [
+            (repr(key), tensor)
+            for d, saved in self._saved.values()
+            for key, old, new in changed_entries(d, saved)
+            if old is ABSENT
+            for tensor in _tensors_in(new)
         ]
 
     def filled_by_hooks(self) -> list[str]:

@@ -895,6 +895,55 @@ def test_a_trace_that_fills_a_dict_cache_keeps_its_graph():
     assert all(t.device == TORCH_DEVICE and not t.is_meta for t in tables.values())
 
 
+class _StreamsThroughADict(torch.nn.Module):
+    """A streaming difference, its previous input kept in a dict entry that
+    is not there before the first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = {}
+
+    def forward(self, x):
+        prev = self.cache.get("prev")
+        d = x if prev is None else x - prev
+        self.cache["prev"] = x
+        return d
+
+
+_SAVED = {}
+
+
+def _saves_its_hidden_layer(x):
+    h = torch.tanh(x * 2)
+    _SAVED["h"] = h.detach()
+    return h.sum()
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_trace_that_adds_an_entry_computed_from_its_inputs_runs_eagerly(jit):
+    """NOTE [an entry a trace adds, from the inputs]: an entry the trace
+    added was taken for a cache filled, which the graph never writes, so
+    a streaming difference came out as on a first call every call ([1, 4, 9,
+    16], not [1, 3, 5, 7]), and saved activations were missing after every
+    call, silently."""
+    _SAVED.clear()
+    stream = _StreamsThroughADict()
+    f = t2j_ad.jaxify(stream, compile="graph")
+    save = t2j_ad.jaxify(_saves_its_hidden_layer, compile="graph")
+    if jit:
+        f, save = jax.jit(f), jax.jit(save)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        outs = [float(f(jnp.full(3, float((i + 1) ** 2)))[0]) for i in range(4)]
+        for i in range(2):
+            x = jnp.full(3, 0.1 * (i + 1))
+            save(x)
+            np.testing.assert_allclose(to_numpy(_SAVED["h"]), np.tanh(to_numpy(x) * 2), rtol=1e-6)
+    assert outs == [1.0, 3.0, 5.0, 7.0]
+    messages = [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
+    assert len(messages) == 2 and all("adds an entry computed from its inputs" in m for m in messages)
+
+
 class _PlainObject:
     """A plain object, holding another: ``st.inner.count``."""
 
