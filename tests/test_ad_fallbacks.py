@@ -575,6 +575,34 @@ def test_torch_utils_checkpoint_inside_falls_back_to_autograd_and_matches_it(x64
     )
 
 
+def test_a_gradient_penalty_on_closed_over_parameters_falls_back_to_autograd_and_matches_it(x64):
+    """torch.autograd.grad inside the function with respect to a module's
+    parameters it closes over: under torch.func their uses are wrapped, so
+    every transform failed ("appears to not have been used in the graph",
+    and in forward mode "does not require grad"); plain autograd runs it."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2).double().to(TORCH_DEVICE)
+
+    def penalized(x):
+        y = (net(x) ** 2).sum()
+        grads = torch.autograd.grad(y, list(net.parameters()), create_graph=True)
+        return sum((g**2).sum() for g in grads)
+
+    x = jnp.array([0.3, -1.2, 0.7])
+    f = t2j_ad.jaxify(penalized)
+    tx = to_torch(x).requires_grad_()
+    (expected_grad,) = torch.autograd.grad(penalized(tx), tx)
+    expected_hessian = torch.autograd.functional.hessian(penalized, to_torch(x), create_graph=True).detach()
+    expected_grad = expected_grad.detach()
+    with pytest.warns(t2j_ad.FallbackWarning, match="torch.autograd.grad with respect to tensors it closes over"):
+        grad = jax.grad(f)(x)
+    np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", t2j_ad.FallbackWarning)
+        np.testing.assert_allclose(jax.jacfwd(f)(x), to_numpy(expected_grad), rtol=1e-12)
+        np.testing.assert_allclose(jax.hessian(f)(x), to_numpy(expected_hessian), rtol=1e-10, atol=1e-12)
+
+
 def test_an_op_without_a_forward_mode_formula_gets_forward_mode_by_double_vjp(x64):
     """grid_sample has a backward but no forward-mode formula: jax.jacfwd and
     jax.hessian (forward over reverse) failed where jax.jacrev worked."""

@@ -71,6 +71,7 @@ _CAPTURED_WRITE_ADVICE = (
     "training mode.)"
 )
 _SAVED_TENSOR_HOOKS = "don't yet support saved tensor hooks"
+_UNUSED_IN_GRAPH = "appears to not have been used in the graph"
 _NO_FORWARD_FORMULA = "Trying to use forward AD with"
 # Forward-mode refusals -> the advice the fallback warning adds.
 _FORWARD_REFUSALS = {
@@ -89,6 +90,9 @@ _FORWARD_REFUSALS = {
     # torch.autograd.forward_ad inside the function: PyTorch has one level
     # of forward AD, which torch.func.jvp holds; reverse mode leaves it free.
     "Nested forward mode AD is not supported": " (The function uses torch.autograd.forward_ad itself.)",
+    # torch.autograd.grad inside the function: under torch.func.jvp what it
+    # differentiates records no graph (a gradient penalty).
+    "does not require grad and does not have a grad_fn": " (The function calls torch.autograd.grad itself.)",
 }
 # Reverse-mode refusals -> the advice the fallback warning adds.
 _FUNCTORCH_REFUSALS = {
@@ -104,6 +108,10 @@ _FUNCTORCH_REFUSALS = {
     # torch.utils.checkpoint(use_reentrant=False) sets saved-tensor hooks,
     # which torch.func refuses; plain autograd recomputes as PyTorch does.
     _SAVED_TENSOR_HOOKS: " (torch.utils.checkpoint inside the function sets saved-tensor hooks.)",
+    # torch.autograd.grad inside the function with respect to tensors it
+    # closes over (a gradient penalty on a module's parameters): under
+    # torch.func their uses are wrapped, and autograd finds none.
+    _UNUSED_IN_GRAPH: " (The function calls torch.autograd.grad with respect to tensors it closes over.)",
 }
 
 
