@@ -357,7 +357,7 @@ class ModuleAttributesKept:
                     if not (isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor)):
                         if table is module.__dict__:
                             put_back(table, name, old)  # NOTE [Python state in trial runs]
-                            self.python_state.append(f"{type(module).__name__}.{name}")
+                            self._note_python_state(module, name)
                         continue
                     if new is not None and self._found.get((id(module), k, name)) is new:
                         continue  # as the run found it: put back by whatever bound around the forward
@@ -409,7 +409,15 @@ class ModuleAttributesKept:
                     if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
                         self.rebound.append(f"{type(module).__name__}.{name}")
                     else:
-                        self.python_state.append(f"{type(module).__name__}.{name}")
+                        self._note_python_state(module, name)
+
+    def _note_python_state(self, module: torch.nn.Module, name: str) -> None:
+        """Count ``module.name``, a plain attribute the run changed (and
+        that was put back), in ``python_state``, unless its forward renews
+        it from its tensors before reading it (NOTE [a recurrent module's
+        weight list])."""
+        if not _renewed_by_forward(module, name):
+            self.python_state.append(f"{type(module).__name__}.{name}")
 
 
 # NOTE [Python state in trial runs]
@@ -430,6 +438,34 @@ class ModuleAttributesKept:
 # state as found (a data-dependent init guarded by ``self.initialized``
 # re-initialized the parameters on every replay), where eager calls see
 # the state the first call left.
+
+
+# PyTorch's private names for a recurrent module's weight list and the weak
+# references it is renewed by (torch.nn.RNNBase, since PyTorch 1.x).
+_RECURRENT_WEIGHT_LISTS = frozenset({"_flat_weights", "_flat_weight_refs"})
+
+
+def _renewed_by_forward(module: torch.nn.Module, name: str) -> bool:
+    """Whether ``module.name`` is a list its forward renews from the
+    module's tables before reading it (NOTE [a recurrent module's weight list])."""
+    return isinstance(module, torch.nn.RNNBase) and name in _RECURRENT_WEIGHT_LISTS
+
+
+# NOTE [a recurrent module's weight list]
+# torch.nn.RNNBase keeps a list of its weights (``_flat_weights``, with weak
+# references to them in ``_flat_weight_refs``), which its forward renews
+# (``_update_flat_weights``) whenever its tables hold other tensors than the
+# list does, before it reads the list. Every binding of a call's tensors
+# does that: jaxify_module's (NOTE [binding tensors into a module] in
+# module.py), torch.func.functional_call's, and a parametrization's (each
+# read of a parametrized weight computes a new tensor). So the list is put
+# back as any plain attribute (NOTE [Python state in trial runs]), but it
+# is no Python state a trace refuses: either branch of the renewal leaves
+# the list holding the tensors the module's tables hold, which a graph
+# takes in as its inputs or computes, so no replay depends on the branch
+# the trace took. Counted, it refused every LSTM, GRU and RNN under
+# jaxify_module(compile="graph"), each run eagerly with a warning blaming
+# the user's forward for t2j_ad's own binding.
 
 
 # NOTE [forwards a KeyboardInterrupt ends]

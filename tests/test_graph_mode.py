@@ -1306,6 +1306,74 @@ def test_a_failed_trace_leaves_no_fake_tensor_error_log(capfd, caplog):
     assert_tree_allclose(grads, expected, rtol=1e-4 if ON_GPU else 1e-5, atol=1e-5 if ON_GPU else 1e-6)
 
 
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN])
+def test_recurrent_modules_trace_as_graphs(cls):
+    """NOTE [a recurrent module's weight list] (real_writes.py): the forward
+    renewed its weight list to the call's tensors, which jaxify_module had
+    bound, and a trace took that for the forward's own Python state: every
+    LSTM, GRU and RNN ran eagerly, the warning blaming the user's forward.
+    The values and gradients match torch.func, eager and graph, and after
+    the calls the list holds the module's own weights again."""
+    torch.manual_seed(0)
+    module = cls(3, 4, num_layers=2, batch_first=True).to(TORCH_DEVICE)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 3)), jnp.float32)
+    weights = {k: v.detach() for k, v in module.named_parameters()}
+
+    def t_loss(p):
+        return torch.func.functional_call(module, p, (to_torch(x),))[0].square().sum()
+
+    expected_value = to_numpy(t_loss(weights))
+    expected_grad = {k: to_numpy(g) for k, g in torch.func.grad(t_loss)(weights).items()}
+    for mode in ("eager", "graph"):
+        apply, params = t2j_ad.jaxify_module(module, compile=mode)
+        with no_fallback():
+            value, grad = jax.value_and_grad(lambda p: jnp.square(apply(p, x)[0]).sum())(params)
+            jax.block_until_ready(jax.jit(apply)(params, x))
+        np.testing.assert_allclose(value, expected_value, rtol=1e-5)
+        assert_tree_allclose(grad, expected_grad, rtol=1e-4 if ON_GPU else 1e-5, atol=1e-5 if ON_GPU else 1e-6)
+        stats = apply.compile_stats()
+        assert stats["eager_fallbacks"] == 0
+        assert stats["graphs"] >= (2 if mode == "graph" else 0)
+        own = dict(module.named_parameters())
+        assert all(w is own[name] for w, name in zip(module._flat_weights, module._flat_weights_names))
+
+
+class _CountingLSTM(torch.nn.LSTM):
+    """An LSTM whose forward changes Python state of its own."""
+
+    calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+def test_recurrent_weight_lists_bound_by_others_trace_and_own_state_is_refused():
+    """NOTE [a recurrent module's weight list]: a parametrized weight (a new
+    tensor at each read) and torch.func.functional_call renew the list too,
+    and trace; an LSTM whose forward counts its calls still runs eagerly."""
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(3, 4, batch_first=True).to(TORCH_DEVICE)
+    normed = torch.nn.utils.parametrizations.weight_norm(copy.deepcopy(lstm), "weight_hh_l0")
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 3)), jnp.float32)
+    for module in (lstm, normed):
+        weights = {k: v.detach() for k, v in module.named_parameters()}
+        expected = torch.func.grad(lambda p: torch.func.functional_call(module, p, (to_torch(x),))[0].sum())(weights)
+        functional = t2j_ad.jaxify(lambda p, x: torch.func.functional_call(module, p, (x,))[0].sum(), compile="graph")
+        apply, params = t2j_ad.jaxify_module(module, compile="graph")
+        with no_fallback():
+            by_module = jax.grad(lambda p: apply(p, x)[0].sum())(params)
+            by_functional_call = jax.grad(functional)(params, x)
+        for grad, f in ((by_module, apply), (by_functional_call, functional)):
+            assert_tree_allclose(grad, {k: to_numpy(g) for k, g in expected.items()}, rtol=1e-5, atol=1e-6)
+            assert f.compile_stats()["graphs"] >= 1 and f.compile_stats()["eager_fallbacks"] == 0
+    counting = _CountingLSTM(3, 4, batch_first=True).to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(counting, compile="graph")
+    with pytest.warns(FallbackWarning, match=r"changes Python state \(_CountingLSTM.calls\)"):
+        apply(params, x)
+    assert counting.calls == 1
+
+
 def test_a_submodule_replaced_after_a_trace_is_traced_again():
     """NOTE [a submodule replaced after a call]: the graph traced with a Tanh
     kept computing tanh after model.act = ReLU(), silently."""
