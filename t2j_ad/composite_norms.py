@@ -30,6 +30,26 @@ trace records the plain ops, and its replays pay nothing). TorchScript
 code runs below any Python mode, so a scripted module that normalizes by
 its input's statistics is refused at second order, by name (its parameter
 Hessian was off by 50); first derivatives and eval-mode batch norm run.
+
+NOTE [the mode's handler under torch.compile]
+A ``torch.compile``d function meets the mode in one of two ways. Where
+Dynamo compiles the function's code, it traces the mode's handler inline,
+like any mode active at the call, and the graph holds the plain ops. Where
+it has given up on that code -- for good, once it met the code under a
+dispatch mode (t2j_ad's trial runs enter several) or failed to compile it
+(a functorch-wrapped view, as an order-two call's inputs are) -- the
+function runs as Python, but Dynamo's frame hook stays on for the frames it
+calls, and the first of those at each PyTorch call is the handler's. Dynamo
+compiled the handler then, on functorch-wrapped tensors, and failed
+(``AssertionError: False != True`` converting one to a fake tensor, after a
+recompile per op): ``jax.hessian`` of a compiled function raised, and
+``jax.jacrev(jax.jacrev(...))`` took the error for a refusal of
+``torch.vmap`` and batched sequentially. So the handler's code, and what it
+calls, is marked never to be compiled as a frame of its own
+(``_handler_never_compiled_alone``): it runs as Python, as it does under
+plain PyTorch where Dynamo gave up on the function. The mark is on the code
+object, read by Dynamo's frame hook only; tracing the function inline
+ignores it, so a function Dynamo does compile still gets the plain ops.
 """
 
 from __future__ import annotations
@@ -266,9 +286,28 @@ _COMPOSITE: dict[Callable[..., Any], Callable[..., Any]] = {
 
 class _CompositeNorms(TorchFunctionMode):
     # The mode is off inside its own handler, so the fused op a composite
-    # calls for the running statistics is PyTorch's.
+    # calls for the running statistics is PyTorch's. Dynamo never compiles
+    # this handler as a frame of its own (NOTE [the mode's handler under
+    # torch.compile]).
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         return _COMPOSITE.get(func, func)(*args, **(kwargs or {}))
+
+
+def _handler_never_compiled_alone(handler: Callable[..., Any]) -> None:
+    """Dynamo's frame hook runs ``handler``'s frames, and every frame they
+    call, as Python, never compiling them (NOTE [the mode's handler under
+    torch.compile]); inline tracing is unaffected. Through Dynamo's
+    per-code frame strategy (private; a PyTorch without it has nothing to
+    mark)."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        return
+    set_code_exec_strategy(handler.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+_handler_never_compiled_alone(_CompositeNorms.__torch_function__)
 
 
 def with_composite_norms(fn: Callable[..., Any], modules: Sequence[torch.nn.Module] = ()) -> Callable[..., Any]:

@@ -5,6 +5,7 @@ t2j_ad computes them by plain ops and agrees with jax.numpy."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -215,3 +216,32 @@ def test_the_statistics_outputs_have_no_derivative_at_any_order(output, mode, x6
     assert_tree_allclose(jax.grad(f)(x), np.zeros(x.shape), atol=0)
     assert_tree_allclose(jax.hessian(f)(x), to_numpy(expected), atol=0)
     assert not np.any(np.asarray(jax.hessian(f)(x)))
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_second_derivatives_of_a_torch_compiled_function(mode, x64):
+    """A torch.compile'd function, norm inside (NOTE [the mode's handler under
+    torch.compile]): Dynamo compiled the mode's handler on functorch tensors,
+    so jax.hessian raised an AssertionError and jacrev of jacrev ran
+    sequentially after a FallbackWarning. Now both agree with torch.func, in
+    eager mode without a FallbackWarning; graph mode, whose trace Dynamo
+    refuses, announces that each call runs eagerly, and agrees too."""
+
+    def loss(x):
+        return (F.layer_norm(x.sin(), (4,)) ** 3).sum()
+
+    compiled = torch.compile(loss, backend="eager")
+    f = t2j_ad.jaxify(compiled, compile=mode)
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(2, 4)))
+    expected_hessian = to_numpy(torch.func.hessian(compiled)(to_torch(x)))
+    expected_jacrev_jacrev = to_numpy(torch.func.jacrev(torch.func.jacrev(compiled))(to_torch(x)))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert_tree_allclose(jax.grad(f)(x), to_numpy(torch.func.grad(compiled)(to_torch(x))), rtol=1e-10)
+        assert_tree_allclose(jax.hessian(f)(x), expected_hessian, rtol=1e-9, atol=1e-10)
+        assert_tree_allclose(jax.jacrev(jax.jacrev(f))(x), expected_jacrev_jacrev, rtol=1e-9, atol=1e-10)
+    fallbacks = [str(w.message) for w in record if issubclass(w.category, t2j_ad.FallbackWarning)]
+    if mode == "eager":
+        assert fallbacks == []
+    else:
+        assert fallbacks and all("could not trace" in m and "runs eagerly" in m for m in fallbacks)
