@@ -45,7 +45,39 @@ function seen keeping an input is handed copies from then on, as on its
 first call (``keeps_inputs``, read by runtime.py): the first call, on
 copies, is looked at too, so a function that keeps inputs from the start
 (a streaming module) never fails; one that starts keeping later fails that
-one call, naming the fix.
+one call, naming the fix. Where the input is kept by its address, the move
+cannot help either: NOTE [inputs kept by their address].
+
+NOTE [inputs kept by their address]
+The move reaches what holds the storage: every tensor viewing it. A NumPy
+array made from an input (``x.numpy()``, ``np.asarray(x)``, the common
+``self.log.append(x.detach().cpu().numpy())``), a memoryview of one, and a
+tensor made from either or through DLPack (``torch.from_numpy(x.numpy())``,
+``torch.from_dlpack(x)``: a storage of its own around the same memory) hold
+the memory's address, taken when they were made; the move leaves them on
+XLA's buffer, which they then read after XLA reused it, and write into
+(a segfault). Such a holder keeps a tensor viewing the storage alive, as
+anything keeping the input does (NumPy's array holds ``x.detach()``), so the
+look counts the input as kept; the holder itself is told apart only by
+looking for it (``held_by_address``): among the tensors in Python's two
+younger generations (what the call made), one around the input's memory with
+a storage of its own, or one viewing the input's storage held by more than
+the objects Python's collector sees hold it and PyTorch's own holders (a
+NumPy array is no object the collector sees; a list, a dict, an attribute,
+a frame, an autograd graph or a view are). Where one is found, the function
+runs on copies from then on, as on a PyTorch that cannot move inputs; the
+call that ran on XLA's buffers fails, naming the fix (keep ``.copy()``). The
+first call, on copies, is looked at for this too, so a function that keeps
+such arrays from the start (logging its inputs) never fails.
+
+Looking for holders costs a pass over every object Python tracks (about
+50 ms with PyTorch and JAX loaded) where a view of the input was made in
+the call, so it is made only on calls that kept an input, and only on the
+first ``_KEEPING_CALLS_LOOKED_INTO`` of them a function makes: a streaming
+module's later calls move what they keep as before. A function that starts
+keeping such an array after that, or that keeps the address in another
+form (``x.data_ptr()`` through ctypes, a DLPack capsule not yet consumed, a
+JAX array made from it), is not found: keep a copy (``x.numpy().copy()``).
 
 On CUDA the look is not made yet. On an H100 with torch 2.11 (the
 seventeenth session) it found inputs "kept" by calls that keep nothing
@@ -60,8 +92,10 @@ call must keep a copy (``x.clone()``).
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -81,6 +115,12 @@ _CALLS_OWN = 1
 _WITH_ITS_OBJECT = 2
 _OBJECT_REFS = 3
 _refcount = sys.getrefcount
+# NOTE [inputs kept by their address]: how many of a function's calls that
+# keep an input are looked at for what holds its address.
+_KEEPING_CALLS_LOOKED_INTO = 3
+# Python's young generations: what a call made, unless a collection of the
+# oldest ran during it.
+_YOUNG_GENERATIONS = (0, 1)
 
 
 def references(inputs: Sequence[torch.Tensor]) -> list[int]:
@@ -96,19 +136,98 @@ def any_kept(inputs: Sequence[torch.Tensor], before: Sequence[int]) -> bool:
     return any(_kept(inputs, i, before) for i in range(len(before)))
 
 
-def release_kept_inputs(inputs: Sequence[torch.Tensor], before: Sequence[int]) -> int:
+class Keeper(Protocol):
+    """What the look counts on a function (``TorchFn``): how many of its
+    calls that kept an input were looked at for holders of its address."""
+
+    keeping_calls_looked_into: int
+
+
+def release_kept_inputs(
+    inputs: Sequence[torch.Tensor], before: Sequence[int], fn: Keeper, handling: BaseException | None
+) -> bool:
     """Move each input's storage that something other than the call still
     holds (the tensor itself, past ``before``'s count, or a view of it) to
-    memory of its own (NOTE [inputs kept past a call]); how many moved.
-    Only where ``CAN_MOVE``."""
-    moved = 0
+    memory of its own (NOTE [inputs kept past a call]). Only where
+    ``CAN_MOVE``. Whether one of them is also held by its address, which the
+    move does not reach, on the first calls of ``fn`` that keep one, unless
+    the call failed (``sys.exception()`` is not ``handling``, the exception
+    the caller handles: a traceback is no keeper) (NOTE [inputs kept by
+    their address])."""
+    look: bool | None = None  # decided at the call's first kept input
+    by_address = False
     for i in range(len(before)):  # no zip: its reused tuple would hold an input
         if _kept(inputs, i, before):
             storage = inputs[i].untyped_storage()
             if storage.nbytes():
+                if look is None:
+                    look = sys.exception() is handling and _one_more_look(fn)
+                if look and not by_address:
+                    by_address = held_by_address(inputs, i)  # before the move: the address is XLA's
                 _to_own_memory(storage)
-                moved += 1
-    return moved
+    return by_address
+
+
+def _one_more_look(fn: Keeper) -> bool:
+    """Whether this call of ``fn``, which kept an input, is looked at for
+    holders of its address: one of its first ``_KEEPING_CALLS_LOOKED_INTO``."""
+    if fn.keeping_calls_looked_into >= _KEEPING_CALLS_LOOKED_INTO:
+        return False
+    fn.keeping_calls_looked_into += 1
+    return True
+
+
+def kept_by_address(inputs: Sequence[torch.Tensor], before: Sequence[int], fn: Keeper) -> bool:
+    """Whether one of ``inputs`` that something other than the call still
+    holds is held by its address (NOTE [inputs kept by their address]), on
+    the first calls of ``fn`` that keep one."""
+    if not _one_more_look(fn):
+        return False
+    return any(_kept(inputs, i, before) and held_by_address(inputs, i) for i in range(len(before)))
+
+
+def held_by_address(inputs: Sequence[torch.Tensor], i: int) -> bool:
+    """Whether something in Python's two younger generations (made since
+    its collector last moved objects to the oldest) holds the memory of
+    ``inputs[i]`` by its address: a tensor around that memory with
+    a storage of its own, or a tensor viewing its storage held by an object
+    Python's collector does not see, a NumPy array (NOTE [inputs kept by
+    their address]). Costly: only for an input found kept."""
+    start = inputs[i].data_ptr()
+    if not start:
+        return False
+    end = start + inputs[i].untyped_storage().nbytes()
+    address = _storage_address(inputs[i])
+    own = {id(t) for t in inputs}
+    viewing: list[torch.Tensor] = []
+    for generation in _YOUNG_GENERATIONS:
+        for obj in gc.get_objects(generation):
+            if not issubclass(type(obj), torch.Tensor) or id(obj) in own:  # type(): no __class__ property run
+                continue
+            try:
+                if _storage_address(obj) == address:
+                    viewing.append(obj)
+                elif start <= obj.data_ptr() < end and obj.device == inputs[i].device:
+                    return True  # from_numpy, from_dlpack: a storage of its own around the same memory
+            except Exception:  # noqa: BLE001 - a wrapper (functorch's, a subclass's) may have no storage
+                continue
+    obj = None
+    return bool(viewing) and _held_unseen(viewing)
+
+
+def _held_unseen(tensors: list[torch.Tensor]) -> bool:
+    """Whether one of ``tensors`` has more references than the objects
+    Python's collector sees holding it, and PyTorch's own holders (an
+    autograd graph, a view's base: one reference for all of them) explain."""
+    seen = [0] * len(tensors)
+    for holder in gc.get_referrers(*tensors):
+        for k in range(len(tensors)):
+            seen[k] += sum(1 for held in gc.get_referents(holder) if held is tensors[k])
+    holder = None
+    # getrefcount's argument is none of ``seen``; ``tensors`` is one of them.
+    return any(
+        _refcount(tensors[k]) - 1 - seen[k] - (tensors[k]._use_count() > 1) > 0 for k in range(len(tensors))
+    )
 
 
 def _kept(inputs: Sequence[torch.Tensor], i: int, before: Sequence[int]) -> bool:
@@ -122,14 +241,25 @@ def _kept(inputs: Sequence[torch.Tensor], i: int, before: Sequence[int]) -> bool
     return _use_count(address) > _WITH_ITS_OBJECT or _refcount(storage) > _OBJECT_REFS
 
 
-def unmovable_kept_input() -> RuntimeError:
+def unmovable_kept_input(by_address: bool = False) -> RuntimeError:
     """The error for a call on XLA's buffers that kept an input where it
-    cannot be moved (NOTE [inputs kept past a call])."""
+    cannot be moved (NOTE [inputs kept past a call]), or by its address
+    (NOTE [inputs kept by their address])."""
+    if by_address:
+        return RuntimeError(
+            "t2j_ad: the PyTorch function kept one of its inputs past the call by its memory's address: a NumPy "
+            "array of it (x.numpy(), np.asarray(x)), a memoryview, or a tensor made from one "
+            "(torch.from_numpy, torch.from_dlpack). XLA reuses that buffer after the call, and such a holder "
+            "cannot be moved to memory of its own. Later calls run on copies of the inputs; what this call "
+            "kept reads memory XLA reuses, so drop it (or reset the state that holds it), and keep a copy "
+            "instead (x.numpy().copy(), x.clone())."
+        )
     return RuntimeError(
         "t2j_ad: the PyTorch function kept one of its inputs (or a view of one) past the call, and "
         f"this PyTorch ({torch.__version__}) cannot move it to memory of its own; XLA reuses that "
-        "buffer after the call. Later calls run on copies of the inputs; for this one, keep a copy "
-        "instead (x.clone()), or use a PyTorch with UntypedStorage._swap_data_ptr_."
+        "buffer after the call. Later calls run on copies of the inputs; what this call kept reads "
+        "memory XLA reuses, so drop it (or reset the state that holds it: module.prev = None), and keep "
+        "a copy instead (x.clone()), or use a PyTorch with UntypedStorage._swap_data_ptr_."
     )
 
 

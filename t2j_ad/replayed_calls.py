@@ -351,6 +351,7 @@ def _variant(
         compile=base.compile,
     )
     variant.effects_root = base  # type: ignore[attr-defined]
+    variant.keeps_inputs = base.keeps_inputs  # NOTE [inputs kept past a call]: its calls run on copies too
     variant.referenced_modules = getattr(base, "referenced_modules", ())  # type: ignore[attr-defined]
     variant.referenced_dicts = getattr(base, "referenced_dicts", ())  # type: ignore[attr-defined]
     variant.replays = replays  # type: ignore[attr-defined]

@@ -22,7 +22,7 @@ from . import graph_mode
 from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, on_another_device, torch_dtype
 from .cuda_streams import external_stream, run_on_stream
 from .functorch_levels import forward_ad_levels_kept
-from .kept_inputs import CAN_MOVE, any_kept, release_kept_inputs, unmovable_kept_input
+from .kept_inputs import CAN_MOVE, any_kept, kept_by_address, release_kept_inputs, unmovable_kept_input
 from .kept_inputs import references as kept_inputs_references
 from .malloc_tuning import tune_malloc
 from .module_structure import StructureSeen
@@ -386,9 +386,10 @@ class _Runner:
             # The copies' memory, whatever ``.data =`` rebinds the copies to.
             copied = [t.detach() for t in inputs] if not checked else None
         # NOTE [inputs kept past a call]: on the CPU; on CUDA not yet (see the NOTE).
+        # The first call, on copies, too: NOTE [inputs kept by their address].
         held = (
             kept_inputs_references(inputs)
-            if (not copying or not (CAN_MOVE or base.keeps_inputs)) and not (self.other_devices and _on_cuda(inputs))
+            if (not copying or not base.keeps_inputs) and not (self.other_devices and _on_cuda(inputs))
             else None
         )
         # An exception the caller is handling (a call made in its except or
@@ -483,11 +484,14 @@ class _Runner:
             if held is not None:
                 results = t = r = copied = None  # may view or be an input: the call's own, not kept
                 if not copying and CAN_MOVE:
-                    release_kept_inputs(inputs, held)
+                    if release_kept_inputs(inputs, held, base, handling):
+                        base.keeps_inputs = True  # NOTE [inputs kept by their address]
+                        raise unmovable_kept_input(by_address=True)
                 elif sys.exception() is handling and any_kept(inputs, held):  # not a failing call's traceback
-                    base.keeps_inputs = True
-                    if not copying:
-                        raise unmovable_kept_input()
+                    if not CAN_MOVE or kept_by_address(inputs, held, base):  # CAN_MOVE: the first call, on copies
+                        base.keeps_inputs = True
+                        if not copying:
+                            raise unmovable_kept_input()
 
     def _serialized(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         # NOTE [forward AD is process-wide]; a call about to trace takes the

@@ -147,9 +147,13 @@ class BaseFn:
         # until then the runtime hands it copies (see runtime.py).
         self.mutation_checked = mutation_checked
         # True once a call kept one of its inputs on a PyTorch that cannot
-        # move it (NOTE [inputs kept past a call] in kept_inputs.py): from
-        # then on the runtime hands it copies.
+        # move it (NOTE [inputs kept past a call] in kept_inputs.py), or by
+        # its address (NOTE [inputs kept by their address]): from then on
+        # the runtime hands it copies.
         self.keeps_inputs = False
+        # How many of its calls that kept an input were looked at for what
+        # holds the input's address (NOTE [inputs kept by their address]).
+        self.keeping_calls_looked_into = 0
         # Where out_avals were inferred: torch.device("meta"), the device of
         # the zeros, or None when output_shapes declared them (the runtime's
         # shape and dtype errors say which, and what to do).
