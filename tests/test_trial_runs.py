@@ -323,10 +323,14 @@ def test_a_global_cache_keyed_on_device_keeps_no_fake_tensor(mode, x64):
     assert type(_scaled_by_table(torch.ones(3, dtype=torch.float64))) is torch.Tensor
 
 
-def test_a_function_that_calls_another_jaxified_function_infers_its_shapes():
+@pytest.mark.parametrize("first_call", ["plain", "under_jit"])
+def test_a_function_that_calls_another_jaxified_function_infers_its_shapes(first_call):
     """The inner call ran inside the outer trial run's dispatch modes, which
     took its copy into XLA's output buffer for a write to put back after XLA
-    had freed it: glibc aborted the process."""
+    had freed it: glibc aborted the process. And (NOTE [trial runs outside
+    the caller's trace]) the trial runs ran inside the caller's jax.jit
+    trace, so the inner call's conversion to NumPy met a tracer and a first
+    call under jax.jit failed."""
     inner = t2j_ad.jaxify(lambda x: x.sin() * 3)
 
     def outer(x):
@@ -336,23 +340,8 @@ def test_a_function_that_calls_another_jaxified_function_infers_its_shapes():
     x = jnp.array([0.2, 0.5], dtype=jnp.float32)
     expected = np.sin([0.2, 0.5]) * 3 * np.array([0.2, 0.5])
     f = t2j_ad.jaxify(outer)
-    np.testing.assert_allclose(f(x), expected, rtol=1e-6)
-    np.testing.assert_allclose(f(x), expected, rtol=1e-6)
-
-
-def test_a_function_calling_another_jaxified_function_is_first_called_under_jit():
-    """NOTE [trial runs outside the caller's trace]: the trial runs ran
-    inside the caller's jax.jit trace, so the inner call's conversion to
-    NumPy met a tracer and the first call failed."""
-    inner = t2j_ad.jaxify(lambda x: x.sin() * 3)
-
-    def outer(x):
-        y = np.array(inner(x.cpu().numpy()))
-        return torch.as_tensor(y, device=x.device) * x
-
-    x = jnp.array([0.2, 0.5], dtype=jnp.float32)
-    expected = np.sin([0.2, 0.5]) * 3 * np.array([0.2, 0.5])
-    f = jax.jit(t2j_ad.jaxify(outer))
+    if first_call == "under_jit":
+        f = jax.jit(f)
     np.testing.assert_allclose(f(x), expected, rtol=1e-6)
     np.testing.assert_allclose(f(x), expected, rtol=1e-6)
 
