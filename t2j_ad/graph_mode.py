@@ -215,23 +215,18 @@ def _rebound(graph: torch.fx.GraphModule) -> int:
 
 
 def _added_outputs_dropped(graph: torch.fx.GraphModule) -> list[bool]:
-    """For a graph traced from ``with_added`` (above), which returns the
-    function's results and the tensors its trace added to dicts: whether
+    """For a graph traced from ``with_added`` (in ``trace``), which returns
+    the function's results and the tensors its trace added to dicts: whether
     each added tensor is computed from an input; the graph then returns the
     function's results alone."""
     output = graph.graph.output_node()
     results, added = output.args[0]
     output.args = (results,)
-    computed: dict[torch.fx.Node, bool] = {}
-
-    def from_inputs(node: Any) -> bool:
-        if not isinstance(node, torch.fx.Node):
-            return False
-        if node not in computed:
-            computed[node] = node.op == "placeholder" or any(from_inputs(n) for n in node.all_input_nodes)
-        return computed[node]
-
-    return [from_inputs(node) for node in added]
+    from_inputs: set[torch.fx.Node] = set()
+    for node in graph.graph.nodes:  # in order: each node after what it reads
+        if node.op == "placeholder" or any(n in from_inputs for n in node.all_input_nodes):
+            from_inputs.add(node)
+    return [node in from_inputs for node in added]
 
 
 def trace(
@@ -258,12 +253,16 @@ def trace(
             seeds = SeedWatch(generators_in_use())
             refusing = refusing_reseeding(refusing_closed_over_reads(fn), seeds)
 
+            added: list[str] = []  # the names of the entries whose tensors with_added returns
+
             def with_added(*args: torch.Tensor) -> tuple[Any, list[torch.Tensor]]:
                 # NOTE [an entry a trace adds, from the inputs] in trial_caches.py
-                return refusing(*args), [t for _, t in attributes.added_tensors()]
+                results = refusing(*args)
+                entries = attributes.added_tensors()
+                added[:] = [name for name, _ in entries]
+                return results, [t for _, t in entries]
 
             graph = make_fx(with_added, _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
-            added = [name for name, _ in attributes.added_tensors()]
             from_inputs = [name for name, computed in zip(added, _added_outputs_dropped(graph)) if computed]
             # Before the trial run puts it back:
             refuse_state_kept_in_objects(attributes.cache_state(), attributes.hook_filled(), from_inputs)

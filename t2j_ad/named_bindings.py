@@ -223,11 +223,7 @@ class BindingsSeen:
         self._bindings = tuple(watched)
 
     def hold(self) -> bool:
-        for holder, key, value in self._bindings:
-            now = _held(holder, key)
-            if now is not value and (type(value) is not _ByCode or _code_key(now) != value.key):
-                return False
-        return True
+        return all(map(_holds, self._bindings))
 
     def now(self) -> tuple[Any, ...]:
         """Which objects the names hold now, by identity (kept alive with

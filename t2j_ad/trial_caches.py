@@ -91,7 +91,8 @@ _DEPTH = 2
 
 
 def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
-    """The tensors ``value`` is or holds, as far as ``holds_tensor`` looks."""
+    """The tensors ``value`` is, or a tuple, list or dict holds (two levels
+    deep, at most ``_ENTRIES`` entries each)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if depth >= _DEPTH:
@@ -103,18 +104,10 @@ def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
     return []
 
 
-def holds_tensor(value: Any, depth: int = 0) -> bool:
+def holds_tensor(value: Any) -> bool:
     """Whether ``value`` is a tensor, or a tuple, list or dict holding one
     (two levels deep)."""
-    if isinstance(value, torch.Tensor):
-        return True
-    if depth >= _DEPTH:
-        return False
-    if isinstance(value, (tuple, list)) and len(value) <= _ENTRIES:
-        return any(holds_tensor(v, depth + 1) for v in value)
-    if isinstance(value, dict) and len(value) <= _ENTRIES:
-        return any(holds_tensor(v, depth + 1) for v in value.values())
-    return False
+    return bool(_tensors_in(value))
 
 
 class HookFilled:

@@ -110,7 +110,7 @@ def test_a_later_write_through_a_kept_input_leaves_jax_arrays_alone():
 
 
 # NOTE [inputs kept by their address]: what holds an input's memory by its
-# address, which moving the storage does not reach (found by the tenth
+# address, which moving the storage does not reach (found by the ninth
 # fuzzing pass: a logging forward's arrays read XLA's reused buffers, and
 # writes through them segfaulted).
 _BY_ADDRESS = {
