@@ -88,6 +88,13 @@ def _undeclared_writes(func, args: tuple[Any, ...]) -> tuple[int, ...]:  # noqa:
 _FRESH_ALIASES = {_aten.lift_fresh.default}
 
 
+def _has_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is dense with a storage of its own to read: not the
+    storage-less zeros forward-mode AD makes (``torch.func.jvp`` inside the
+    function: the tangent of a closed-over tensor), which nothing writes."""
+    return tensor.layout == torch.strided and not tensor._is_zerotensor()
+
+
 class RealWritesUndone(TorchDispatchMode):
     """Within the block, note each real tensor's value before its first
     in-place write; on leaving it, put every noted value back. Also tells
@@ -135,12 +142,12 @@ class RealWritesUndone(TorchDispatchMode):
         results = result if isinstance(result, (tuple, list)) else (result,)
         for returned, r in zip(returns, results):
             fresh = returned.alias_info is None or func in _FRESH_ALIASES
-            if fresh and type(r) is torch.Tensor and r.device.type != "meta" and r.layout == torch.strided:
+            if fresh and type(r) is torch.Tensor and r.device.type != "meta" and _has_storage(r):
                 self._made.add(r.untyped_storage().data_ptr())
 
     def _made_here(self, tensor: torch.Tensor) -> bool:
         """Whether an op of the block made ``tensor``'s storage (a dense tensor's)."""
-        return tensor.layout == torch.strided and tensor.untyped_storage().data_ptr() in self._made
+        return _has_storage(tensor) and tensor.untyped_storage().data_ptr() in self._made
 
     def _note_state(self, written: torch.Tensor) -> None:
         """Note ``written`` as kept between calls if a module holds it or no op made it."""

@@ -704,6 +704,39 @@ def test_forward_ad_used_inside_the_function_gets_forward_mode_by_double_vjp(mod
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_forward_ad_inside_the_function_over_a_closed_over_tensor(mode, x64):
+    """torch.func.jvp (or dual numbers) inside the function, of an expression
+    with a closed-over tensor: every call failed at shape inference ("access
+    the data pointer on an invalid python storage"), because the closed-over
+    tensor's tangent is a zero tensor without a storage and the look for state
+    writes read its address (tenth fuzzing pass)."""
+    import torch.autograd.forward_ad as forward_ad
+
+    c = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+
+    def by_jvp(x):
+        return torch.func.jvp(lambda r: torch.sin(r) * c, (x,), (x,))[1]
+
+    def by_duals(x):
+        with forward_ad.dual_level():
+            dual = forward_ad.make_dual(x, torch.ones_like(x))
+            return forward_ad.unpack_dual(torch.sin(dual) * c).tangent
+
+    cj = jnp.asarray(c.numpy())
+    references = {by_jvp: lambda x: jnp.cos(x) * x * cj, by_duals: lambda x: jnp.cos(x) * cj}
+    x = jnp.array([0.3, -1.2, 2.0])
+    batch = jnp.stack([x, 2 * x])
+    for fn, reference in references.items():
+        jf = t2j_ad.jaxify(fn, compile=mode)
+        np.testing.assert_allclose(jf(x), fn(torch.tensor(np.asarray(x))), rtol=1e-12)
+        loss = lambda x, jf=jf: jf(x).sum()  # noqa: E731
+        np.testing.assert_allclose(jax.grad(loss)(x), jax.grad(lambda x: reference(x).sum())(x), rtol=1e-12)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", t2j_ad.FallbackWarning)  # torch.vmap has no rule for make_dual
+            np.testing.assert_allclose(jax.vmap(jf)(batch), jax.vmap(reference)(batch), rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_a_requires_grad_flag_set_on_an_input_does_not_reach_the_next_run(mode, x64):
     """The PyTorch idiom of a residual by torch.autograd.grad (a PINN's u_x):
     set requires_grad on the input unless it is set. The double-vjp fallback
