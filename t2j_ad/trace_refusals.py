@@ -124,14 +124,14 @@ def refuse_state_kept_in_objects(
     attribute a plain object, it closes over already had, from or to a
     tensor (a KV cache's ``self.k = torch.cat([self.k, x])``): a graph
     replays none of that Python, so later calls would not see it grow; or
-    put a tensor in a dict or list a module hook fills, ``hook_filled``
-    (NOTE [what module hooks fill] in trial_caches.py); or added an entry
+    changed a container a module hook fills, ``hook_filled`` (NOTE [what
+    module hooks fill] in trial_caches.py); or added an entry
     computed from the function's inputs, ``from_inputs`` (NOTE [an entry a
     trace adds, from the inputs] in trial_caches.py)."""
     if hook_filled:
         raise NotTraceable(
-            f"a module hook puts tensors into a dict or list its code names ({', '.join(dict.fromkeys(hook_filled))}: "
-            f"saved activations), and a graph replays no hook, so only eager calls fill it"
+            f"a module hook changes a dict, list or object it names ({', '.join(dict.fromkeys(hook_filled))}: "
+            f"saved activations, a call counter), and a graph replays no hook, so only eager calls fill it"
         )
     if from_inputs:
         raise NotTraceable(

@@ -33,12 +33,28 @@ function's code never names. Not noted, such a dict kept what each trial
 run put there: a meta tensor from the run that infers shapes, until the
 first real call wrote over it; and in graph mode the trace's fake tensor,
 for good, since a graph replays no hook: reading the activation raised, and
-no call updated it, silently. So the dicts and lists the hooks of the
-modules a function refers to (and the global hooks) can reach are noted too
-(``HookFilled``), lists included: what a trial run adds to one is taken
-back, so a list of activations gets only the real calls' entries; and a
-trace that adds a tensor to one is refused (the call runs eagerly, with a
-``FallbackWarning``), since only eager calls run the hook.
+no call updated it, silently. So the containers the hooks of the modules a
+function refers to (and the global hooks) can reach are noted too
+(``HookFilled``, ``hook_containers``): the dicts (``defaultdict`` and
+``OrderedDict`` included), lists and deques the hook's code names; those a
+dict among them holds (``acts["fc"].append(...)``, one level); a callable
+object's attributes and the containers they hold (the common ``SaveOutput``
+class: ``self.outputs.append(o)``, ``self.count += 1``); and the
+containers held as attributes by the module a hook is registered on (its
+``m`` argument: ``m.acts.append(o)``) and by any module its code names
+(``model.acts``), PyTorch's own tables left out. Everything a trial run
+changes in one is put back, tensor or not: a list of activations, of
+shapes, or a call counter gets only the real calls' entries, as the docs
+promise. A trace that changes one is refused (the call runs eagerly, with a
+``FallbackWarning``), since only eager calls run the hook. The walk is
+bounded (two steps from the hook, ``_ENTRIES`` entries a container) and is
+made when a signature is resolved, never per call, and only for modules
+with hooks. Not seen: containers deeper than that, state of other kinds
+(an attribute of an object a hook's list holds, ``itertools.count``), and
+a binding ``m.x = ...`` on a module PyTorch's global forward hooks already
+watch (NOTE [Python state in trial runs] in real_writes.py puts that back).
+Another thread's real call that fills the same container while a trial
+run is on loses its entry when the run puts the container back.
 
 NOTE [an entry a trace adds, from the inputs]
 An entry a graph-mode trace adds is a cache filled (a basis per size), and
@@ -55,12 +71,16 @@ refused and the function runs eagerly (graph_mode.py).
 
 from __future__ import annotations
 
+import collections
+import functools
+import inspect
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from .module_hooks import user_hooks
+from .module_hooks import user_hook_ids, user_hooks
 from .references import reachable
 
 ABSENT = object()  # an entry a table did not, or does not, have
@@ -110,13 +130,53 @@ def holds_tensor(value: Any) -> bool:
     return bool(_tensors_in(value))
 
 
+# What a module hook fills: a dict (a subclass too), a list or a deque.
+Fillable = dict[Any, Any] | list[Any] | collections.deque[Any]
+_FILLABLE = (dict, list, collections.deque)
+
+
+def fillable(obj: Any) -> bool:
+    """Whether ``obj`` is a container a module hook may fill."""
+    return isinstance(obj, _FILLABLE)
+
+
 class HookFilled:
-    """A dict or list a module hook can reach (NOTE [what module hooks fill])."""
+    """A dict, list or deque a module hook can reach (NOTE [what module
+    hooks fill])."""
 
     __slots__ = ("container",)
 
-    def __init__(self, container: dict[Any, Any] | list[Any]) -> None:
+    def __init__(self, container: Fillable) -> None:
         self.container = container
+
+
+def _copy_of(container: Fillable) -> dict[Any, Any] | list[Any]:
+    """A plain copy of ``container``'s entries, to compare with and put back."""
+    return dict(container) if isinstance(container, dict) else list(container)
+
+
+def _changes_in(container: Fillable, saved: dict[Any, Any] | list[Any]) -> list[str]:
+    """What a run changed in ``container`` since ``saved`` was copied: the
+    keys of a dict's entries, or one line for a list or deque."""
+    if isinstance(container, dict):
+        return [repr(key) for key, _, _ in changed_entries(container, saved)]
+    if _list_changes(container, saved):
+        return [f"an entry of a {type(container).__name__} of {len(container)}"]
+    return []
+
+
+def _put_back_all(container: Fillable, saved: dict[Any, Any] | list[Any]) -> None:
+    """Give ``container`` the entries ``saved`` holds again, tensors or not."""
+    if isinstance(container, dict):
+        for key, old, _ in changed_entries(container, saved):
+            put_back(container, key, old)
+    elif not _list_changes(container, saved):
+        return
+    elif isinstance(container, list):
+        container[:] = saved
+    else:  # a deque
+        container.clear()
+        container.extend(saved)
 
 
 class CachesKept:
@@ -134,7 +194,7 @@ class CachesKept:
             if isinstance(d, HookFilled):
                 c = d.container
                 if id(c) not in self._hook_filled and id(c) not in self._saved:
-                    self._hook_filled[id(c)] = (c, type(c)(c))
+                    self._hook_filled[id(c)] = (c, _copy_of(c))
             elif type(d) is dict and id(d) not in self._saved:
                 self._saved[id(d)] = (d, dict(d))
                 self._hook_filled.pop(id(d), None)
@@ -167,15 +227,9 @@ class CachesKept:
         ]
 
     def filled_by_hooks(self) -> list[str]:
-        """What the run put in a dict or list a module hook fills that holds a
-        tensor (NOTE [what module hooks fill])."""
-        found = []
-        for c, saved in self._hook_filled.values():
-            if type(c) is dict:
-                found += [repr(key) for key, _, new in changed_entries(c, saved) if holds_tensor(new)]
-            elif any(holds_tensor(v) for v in _list_changes(c, saved)):
-                found.append(f"an entry of a list of {len(c)}")
-        return found
+        """What the run changed, tensor or not, in a container a module hook
+        fills (NOTE [what module hooks fill])."""
+        return [change for c, saved in self._hook_filled.values() for change in _changes_in(c, saved)]
 
     def take_back(self) -> None:
         for d, saved in self._saved.values():
@@ -187,16 +241,11 @@ class CachesKept:
                     put_back(d, key, old)
         self._saved.clear()
         for c, saved in self._hook_filled.values():
-            if type(c) is dict:
-                for key, old, new in changed_entries(c, saved):
-                    if holds_tensor(new) or holds_tensor(old):
-                        put_back(c, key, old)
-            elif any(holds_tensor(v) for v in _list_changes(c, saved)):
-                c[:] = saved
+            _put_back_all(c, saved)  # NOTE [what module hooks fill]
         self._hook_filled.clear()
 
 
-def _list_changes(now: list[Any], saved: list[Any]) -> list[Any]:
+def _list_changes(now: list[Any] | collections.deque[Any], saved: list[Any]) -> list[Any]:
     """The entries of ``now`` that are not those of ``saved``, place by place."""
     return [v for i, v in enumerate(now) if i >= len(saved) or saved[i] is not v] + saved[len(now) :]
 
@@ -206,7 +255,7 @@ def dicts_named_by(fn: Callable[..., Any], modules: Iterable[torch.nn.Module] = 
     globals (or a ``functools.partial``'s arguments, or a bound method's
     ``self`` or a plain object it names holds), the dicts those hold, and
     those the ``modules`` and their submodules hold as attributes; and, as
-    ``HookFilled``, the dicts and lists the hooks of those modules, and the
+    ``HookFilled``, the containers the hooks of those modules, and the
     global ones, can reach (NOTE [what module hooks fill])."""
     found = {id(d): d for d in reachable(fn, lambda obj: type(obj) is dict, stop=(torch.nn.Module,))}
     for d in list(found.values()):  # holder.cache[n] = ... in an object the code names
@@ -222,13 +271,85 @@ def dicts_named_by(fn: Callable[..., Any], modules: Iterable[torch.nn.Module] = 
     for sub in subs:
         for value in module_dicts(sub):
             found.setdefault(id(value), value)
-    filled = [
-        HookFilled(c)
-        for hook in user_hooks(subs)
-        for c in reachable(hook, lambda obj: type(obj) in (dict, list), stop=(torch.nn.Module,))
-        if id(c) not in found
+    filled = [HookFilled(c) for c in hook_containers(subs) if id(c) not in found]
+    return [*found.values(), *filled]
+
+
+def hook_containers(subs: list[torch.nn.Module]) -> list[Fillable]:
+    """The containers the user's hooks on ``subs`` (every module, itself
+    included, the function refers to), and the global ones, can fill, each
+    once (NOTE [what module hooks fill]); none where no hook is."""
+    hooks = user_hooks(subs)
+    if not hooks:
+        return []
+    roots: list[Any] = []
+    modules: list[torch.nn.Module] = []
+    for hook in hooks:
+        for obj in [*reachable(hook, _fillable_or_module, stop=(torch.nn.Module,)), *_object_state(hook)]:
+            (modules if isinstance(obj, torch.nn.Module) else roots).append(obj)
+    # The modules a hook gets as its argument: every one, for a global hook.
+    hooked = subs if any(user_hook_ids(None)) else [sub for sub in subs if any(user_hook_ids(sub))]
+    roots += [c for module in [*hooked, *modules] for c in _module_containers(module)]
+    return list({id(c): c for c in _with_nested(roots)}.values())
+
+
+def _fillable_or_module(obj: Any) -> bool:
+    return fillable(obj) or isinstance(obj, torch.nn.Module)
+
+
+# What a hook is, or is a method of, whose attributes are not the hook's state.
+_NOT_PLAIN_OBJECTS = (functools.partial, type, types.ModuleType, torch.nn.Module)
+
+
+def _object_state(hook: Any) -> list[Any]:
+    """The attributes (a dict) of the object a hook is (a callable object)
+    or is a method of, and the containers among them; and what the code of
+    a callable object's ``__call__`` reaches. Nothing for a function or a
+    partial, or a module's or class's method."""
+    owner = getattr(hook, "__self__", None) if inspect.ismethod(hook) else hook
+    if inspect.isroutine(owner) or isinstance(owner, _NOT_PLAIN_OBJECTS):
+        return []
+    attributes = getattr(owner, "__dict__", None)
+    if type(attributes) is not dict:
+        return []
+    call = getattr(hook, "__call__", None) if owner is hook else None  # a callable object's, bound
+    reached = reachable(call, _fillable_or_module, stop=(torch.nn.Module,)) if inspect.ismethod(call) else []
+    return [attributes, *(value for value in list(attributes.values()) if fillable(value)), *reached]
+
+
+def _with_nested(containers: list[Fillable]) -> list[Fillable]:
+    """``containers``, and the containers a dict among them holds (one level,
+    at most ``_ENTRIES`` entries a dict): ``acts["fc"].append(o)``."""
+    nested = [
+        value
+        for c in containers
+        if isinstance(c, dict) and len(c) <= _ENTRIES
+        for value in list(c.values())
+        if fillable(value)
     ]
-    return [*found.values(), *{id(h.container): h for h in filled}.values()]
+    return [*containers, *nested]
+
+
+@functools.cache
+def _module_own_names() -> frozenset[str]:
+    """The attributes every module holds: PyTorch's tables of parameters,
+    buffers, submodules and hooks."""
+    return frozenset(vars(torch.nn.Module()))
+
+
+def _module_containers(module: torch.nn.Module) -> list[Fillable]:
+    """The containers ``module`` holds as attributes the user set
+    (``m.acts = []``): neither PyTorch's tables nor, in a module class of
+    PyTorch's own, a private attribute (an RNN's ``_flat_weights``)."""
+    attributes = getattr(module, "__dict__", None)
+    if type(attributes) is not dict:
+        return []
+    torch_class = type(module).__module__.startswith("torch.")
+    return [
+        value
+        for name, value in list(attributes.items())
+        if fillable(value) and name not in _module_own_names() and not (torch_class and name.startswith("_"))
+    ]
 
 
 def _attributes_of(obj: Any) -> dict[str, Any] | None:
