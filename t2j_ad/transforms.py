@@ -202,7 +202,7 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
         def batched(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
             try:
                 return vectorized(*args)
-            except (RuntimeError, NotImplementedError) as err:
+            except (RuntimeError, NotImplementedError, ValueError) as err:  # ValueError: an inner vmap's out_dims
                 message = (
                     f"{err}\n(t2j_ad: this ran under torch.vmap, as vmap_method={t.method!r} asks; if torch.vmap "
                     f"cannot batch the function, vmap_method='auto' falls back to a loop over the batch, and "

@@ -265,6 +265,25 @@ def test_explicit_methods_never_fall_back():
     assert fallback_warnings(caught) == []
 
 
+def test_an_explicit_method_names_the_others_when_torch_vmap_raises_a_value_error():
+    """torch.vmap refuses an inner vmap's unbatched output (out_dims=None of a
+    value that depends on the batch) with a ValueError, which lacked the hint
+    its RuntimeErrors get (tenth fuzzing pass); 'auto' loops, as the hint says."""
+
+    def f(u):
+        return torch.vmap(lambda r: (r * 2, u.sum()), out_dims=(0, None))(u)
+
+    batch = randn(2, 4, 3)
+    with pytest.raises(RUNTIME_ERRORS, match="out_dim is None") as refused:
+        jax.block_until_ready(jax.vmap(t2j_ad.jaxify(f, vmap_method="expand_dims", compile="eager"))(batch))
+    assert "vmap_method='auto' falls back to a loop" in str(refused.value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", t2j_ad.FallbackWarning)
+        doubled, totals = jax.vmap(t2j_ad.jaxify(f, compile="eager"))(batch)
+    assert_tree_allclose(doubled, batch * 2)
+    assert_tree_allclose(totals, batch.sum(axis=(1, 2)))
+
+
 class _FirstRowVmapRule(torch.autograd.Function):
     """2 * x whose vmap rule returns the first batch row only: the wrong shape,
     as torch 2.13's batching of mse_loss gave under two vmaps that batch its
