@@ -224,6 +224,19 @@ def unbatched_value(t: torch.Tensor) -> torch.Tensor | None:
     return t
 
 
+def innermost_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under all of ``t``'s ``torch.func`` wrappers, ``torch.vmap``'s
+    included (then one value per example, along a batch dimension). A
+    wrapper outlives its level: one a function keeps in a dict after a
+    gradient transform ended still holds the tensor it wrapped, which a
+    ``make_fx`` trace recorded (NOTE [an added entry's wrappers] in
+    graph_mode.py)."""
+    functorch = torch._C._functorch  # private
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
 def user_function(node_class: type | None) -> type | None:
     """The user's ``autograd.Function`` behind an autograd node's
     ``_forward_cls``: inside a ``torch.func`` transform that is the class

@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import operator
 import os
 import threading
 import time
@@ -67,7 +68,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode  # private: NOTE [what a trace leaves behind]
 
-from .functorch_levels import dispatch_keys_kept
+from .functorch_levels import dispatch_keys_kept, innermost_tensor
 from .fx_sources import forget_sources, recompile, source_key
 from .held_layouts import HeldLayouts
 from .module_modes import ModuleModes, modes_hold, recording_module_modes
@@ -214,19 +215,125 @@ def _rebound(graph: torch.fx.GraphModule) -> int:
         return through_public_bindings(graph)
 
 
+# NOTE [what an added entry is computed from]
+# An entry a trace adds is state when its value comes from the function's
+# inputs (NOTE [an entry a trace adds, from the inputs] in trial_caches.py):
+# their values, not their shapes. A cache per size made with
+# ``torch.zeros_like(x)``, ``x.new_ones(n)`` or ``torch.empty_like(x)``
+# reads only ``x``'s shape, dtype and device, the same on every call with
+# this signature, and the graph computes it again on each replay as the
+# function would; counted as computed from ``x``, it was refused (eagerly,
+# slower, with a message about streaming state). So the first argument of
+# an op in ``_METADATA_READS`` does not count. What an op writes into does:
+# ``buf = torch.zeros_like(x); buf[1:] = x[:-1]`` writes through a view, and
+# the graph returns ``buf``'s node (``zeros_like``), not the write's; a
+# written tensor's storage (``_storage_of``) counts as computed from what
+# the write reads, and so does every view of it. A random draw counts as an
+# input: ``cache[n] = torch.randn(n)`` keeps its first draw in eager, while
+# a graph that computed it again drew anew on every replay, silently.
+_aten = torch.ops.aten
+_METADATA_READS = frozenset(
+    {
+        _aten.zeros_like, _aten.ones_like, _aten.empty_like, _aten.full_like,
+        _aten.rand_like, _aten.randn_like, _aten.randint_like,
+        _aten.new_zeros, _aten.new_ones, _aten.new_empty, _aten.new_full, _aten.new_empty_strided,
+        _aten.sym_size, _aten.sym_stride, _aten.sym_numel, _aten.sym_storage_offset,
+    }
+)  # fmt: skip
+
+
+def _nodes_in(value: Any) -> list[torch.fx.Node]:
+    """The graph nodes ``value`` (a node argument, or a list or dict of them) holds."""
+    nodes: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(value, nodes.append)
+    return nodes
+
+
+def _values_read(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes whose values ``node`` reads: all it reads, less the first
+    argument of an op that reads only that one's metadata."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target.overloadpacket in _METADATA_READS:
+        return _nodes_in((node.args[1:], node.kwargs))
+    return node.all_input_nodes
+
+
+def _written(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes whose tensors ``node``'s op writes into (``copy_``'s
+    ``self``, an ``out=``)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return []
+    written: list[torch.fx.Node] = []
+    for i, argument in enumerate(target._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written += _nodes_in(node.args[i] if i < len(node.args) else node.kwargs.get(argument.name))
+    return written
+
+
+def _storage_of(node: torch.fx.Node, storages: dict[torch.fx.Node, torch.fx.Node]) -> torch.fx.Node:
+    """The node that made the memory ``node``'s tensor lies in: for a view
+    (``slice``), an in-place op's result (``copy_``) or an item of a list of
+    views (``split``), that of the tensor it aliases; ``storages``: each
+    earlier node's."""
+    target = node.target
+    aliased = node.args[0] if node.args and target is operator.getitem else None
+    if isinstance(target, torch._ops.OpOverload) and target._schema.returns:
+        if target._schema.returns[0].alias_info is not None:
+            aliased = next(iter(_written(node)), node.args[0] if node.args else None)
+    return storages[aliased] if isinstance(aliased, torch.fx.Node) else node
+
+
+def _draws(node: torch.fx.Node) -> bool:
+    """Whether ``node`` draws random numbers."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _from_inputs_or_draws(graph: torch.fx.GraphModule) -> Callable[[torch.fx.Node], bool]:
+    """Whether a node of ``graph`` holds values computed from an input or a
+    random draw (NOTE [what an added entry is computed from]), found in one
+    pass over the nodes in order (each after what it reads), with no
+    recursion, which a long chain would overflow."""
+    storages: dict[torch.fx.Node, torch.fx.Node] = {}
+    computed: set[torch.fx.Node] = set()  # nodes, and storages written from one
+
+    def from_inputs(node: torch.fx.Node) -> bool:
+        return node in computed or storages.get(node) in computed
+
+    for node in graph.graph.nodes:
+        storages[node] = _storage_of(node, storages)
+        if node.op == "placeholder" or _draws(node) or any(from_inputs(n) for n in _values_read(node)):
+            computed.add(node)
+            computed.update(storages[n] for n in _written(node))
+    return from_inputs
+
+
 def _added_outputs_dropped(graph: torch.fx.GraphModule) -> list[bool]:
     """For a graph traced from ``with_added`` (in ``trace``), which returns
     the function's results and the tensors its trace added to dicts: whether
-    each added tensor is computed from an input; the graph then returns the
+    each added tensor is computed from an input or a random draw (NOTE
+    [what an added entry is computed from]); the graph then returns the
     function's results alone."""
     output = graph.graph.output_node()
     results, added = output.args[0]
     output.args = (results,)
-    from_inputs: set[torch.fx.Node] = set()
-    for node in graph.graph.nodes:  # in order: each node after what it reads
-        if node.op == "placeholder" or any(n in from_inputs for n in node.all_input_nodes):
-            from_inputs.add(node)
-    return [node in from_inputs for node in added]
+    from_inputs = _from_inputs_or_draws(graph)
+    return [isinstance(node, torch.fx.Node) and from_inputs(node) for node in added]
+
+
+# NOTE [an added entry's wrappers]
+# Under a derivative or batching transform (jax.grad, jax.jvp, jax.vmap) the
+# traced function runs inside torch.func levels, so a tensor it keeps in a
+# dict (``state["prev"] = x.detach() * 1``) is a functorch wrapper around
+# the fake tensor make_fx recorded. Returned as it was, make_fx took the
+# wrapper for a tensor from outside the trace (a graph constant), with no
+# edge to an input: the entry passed for a cache filled, the graph never
+# wrote it, and every replay computed as on a first call (gradients [2, 8,
+# 18, 32] under jax.jit(jax.grad(f)) where PyTorch gives [2, 1, 4, 9]),
+# silently. So ``with_added`` returns the tensor under the wrappers
+# (functorch_levels.innermost_tensor), and a derivative trace is refused as
+# a plain call's is.
 
 
 def trace(
@@ -256,11 +363,12 @@ def trace(
             added: list[str] = []  # the names of the entries whose tensors with_added returns
 
             def with_added(*args: torch.Tensor) -> tuple[Any, list[torch.Tensor]]:
-                # NOTE [an entry a trace adds, from the inputs] in trial_caches.py
+                # NOTE [an entry a trace adds, from the inputs] in trial_caches.py;
+                # NOTE [an added entry's wrappers]
                 results = refusing(*args)
                 entries = attributes.added_tensors()
                 added[:] = [name for name, _ in entries]
-                return results, [t for _, t in entries]
+                return results, [innermost_tensor(t) for _, t in entries]
 
             graph = make_fx(with_added, _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
             from_inputs = [name for name, computed in zip(added, _added_outputs_dropped(graph)) if computed]

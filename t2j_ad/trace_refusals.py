@@ -125,9 +125,10 @@ def refuse_state_kept_in_objects(
     tensor (a KV cache's ``self.k = torch.cat([self.k, x])``): a graph
     replays none of that Python, so later calls would not see it grow; or
     changed a container a module hook fills, ``hook_filled`` (NOTE [what
-    module hooks fill] in trial_caches.py); or added an entry
-    computed from the function's inputs, ``from_inputs`` (NOTE [an entry a
-    trace adds, from the inputs] in trial_caches.py)."""
+    module hooks fill] in trial_caches.py); or added an entry computed from
+    the function's inputs or a random draw, ``from_inputs`` (NOTE [an entry
+    a trace adds, from the inputs] in trial_caches.py, NOTE [what an added
+    entry is computed from] in graph_mode.py)."""
     if hook_filled:
         raise NotTraceable(
             f"a module hook changes a dict, list or object it names ({', '.join(dict.fromkeys(hook_filled))}: "
@@ -135,10 +136,10 @@ def refuse_state_kept_in_objects(
         )
     if from_inputs:
         raise NotTraceable(
-            f"it adds an entry computed from its inputs ({', '.join(dict.fromkeys(from_inputs))}) to a dict or "
-            f"plain object it closes over (state a later call reads, such as a streaming module's previous "
-            f"input, or saved activations), which a graph's replay would not write; keep such state in a "
-            f"preallocated tensor updated in place (buf.copy_(x)) to keep the graph"
+            f"it adds an entry computed from its inputs or a random draw ({', '.join(dict.fromkeys(from_inputs))}) "
+            f"to a dict or plain object it closes over (state a later call reads, such as a streaming module's "
+            f"previous input, saved activations or a table drawn once), which a graph's replay would not write; "
+            f"keep such state in a preallocated tensor updated in place (buf.copy_(x)) to keep the graph"
         )
     if changed:
         raise NotTraceable(

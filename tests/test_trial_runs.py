@@ -1057,6 +1057,127 @@ def test_a_trace_that_adds_an_entry_computed_from_its_inputs_runs_eagerly(jit):
     assert len(messages) == 2 and all("adds an entry computed from its inputs" in m for m in messages)
 
 
+def _streams_its_input(state):
+    """A function keeping its input's values in ``state`` for the next call."""
+
+    def f(x):
+        prev = state.get("prev")
+        state["prev"] = x.detach() * 1
+        return (x * x).sum() if prev is None else (x * prev).sum()
+
+    return f
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp"])
+def test_an_entry_computed_from_its_inputs_under_a_derivative_runs_eagerly(transform):
+    """NOTE [an added entry's wrappers]: under a derivative the kept tensor
+    is a functorch wrapper, which the trace took for a constant: the graph
+    never wrote the entry, and every call differentiated a first call
+    (gradients [2, 8, 18, 32] where PyTorch gives [2, 1, 4, 9]), silently.
+    Found by the tenth fuzzing pass."""
+    f = t2j_ad.jaxify(_streams_its_input({}), compile="graph")
+    ones = jnp.ones(3)
+    derivative = {
+        "grad": jax.jit(jax.grad(f)),
+        "jvp": jax.jit(lambda x: jax.jvp(f, (x,), (ones,))[1]),
+    }[transform]
+    twin = _streams_its_input({})
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for k in range(1, 5):
+            x = torch.full((3,), float(k * k), device=TORCH_DEVICE, requires_grad=True)
+            (gradient,) = torch.autograd.grad(twin(x), x)  # PyTorch, the same steps
+            expected = gradient if transform == "grad" else (gradient * to_torch(ones)).sum()
+            assert_tree_allclose(derivative(jnp.full(3, float(k * k))), to_numpy(expected))
+    messages = [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
+    assert len(messages) == 1 and "adds an entry computed from its inputs" in messages[0]
+
+
+_FROM_A_SHAPE = {
+    "zeros_like": lambda x: torch.zeros_like(x) + 1,
+    "new_ones": lambda x: x.new_ones(x.shape[-1]),
+    "empty_like_filled": lambda x: torch.empty_like(x).fill_(2.0),
+    "full_like": lambda x: torch.full_like(x, 3.0),
+    "ones_like_cumsum": lambda x: torch.ones_like(x).cumsum(0),
+}
+
+
+@pytest.mark.parametrize("make", list(_FROM_A_SHAPE))
+def test_a_cache_made_from_an_inputs_shape_keeps_its_graph(make):
+    """NOTE [what an added entry is computed from]: a table per size made
+    from an input's shape and dtype alone reads none of its values: it was
+    refused as a streaming function's state, and ran eagerly. Found by the
+    tenth fuzzing pass."""
+    tables = {}
+
+    def f(x):
+        if x.shape[-1] not in tables:
+            tables[x.shape[-1]] = _FROM_A_SHAPE[make](x)
+        return x * tables[x.shape[-1]]
+
+    x = torch.arange(4.0, device=TORCH_DEVICE)
+    expected = x * _FROM_A_SHAPE[make](x)  # PyTorch
+    g = t2j_ad.jaxify(f, compile="graph")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        for _ in range(2):
+            assert_tree_allclose(g(jnp.arange(4.0)), to_numpy(expected))
+    assert g.compile_stats()["graphs"] == 1
+
+
+def _streams_through_a_written_buffer(state):
+    """A function keeping its input's values in a buffer made by
+    ``zeros_like`` and written through a view."""
+
+    def f(x):
+        prev = state.get("prev")
+        kept = torch.zeros_like(x)
+        kept[1:] = x[1:]
+        state["prev"] = kept
+        return x if prev is None else x - prev
+
+    return f
+
+
+def test_a_buffer_made_from_an_inputs_shape_and_written_from_its_values_runs_eagerly():
+    """NOTE [what an added entry is computed from]: ``zeros_like`` reads no
+    value, but a write through a view of its result does; the graph returns
+    the ``zeros_like`` node for the entry, not the write's."""
+    g = t2j_ad.jaxify(_streams_through_a_written_buffer({}), compile="graph")
+    twin = _streams_through_a_written_buffer({})
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for k in range(1, 4):
+            expected = twin(torch.full((3,), float(k * k), device=TORCH_DEVICE))  # PyTorch
+            assert_tree_allclose(g(jnp.full(3, float(k * k))), to_numpy(expected))
+    messages = [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
+    assert len(messages) == 1 and "adds an entry computed from its inputs" in messages[0]
+
+
+def test_a_cache_of_a_random_draw_keeps_its_first_draw():
+    """NOTE [what an added entry is computed from]: eager keeps the first
+    draw; a graph computing the entry again drew anew on every replay, and
+    the cache stayed empty, silently."""
+    tables = {}
+
+    def f(x):
+        if x.shape[-1] not in tables:
+            tables[x.shape[-1]] = torch.randn(x.shape[-1], device=x.device)
+        return x * tables[x.shape[-1]]
+
+    torch.manual_seed(0)
+    drawn = torch.randn(4, device=TORCH_DEVICE)  # PyTorch's first draw
+    torch.manual_seed(0)
+    g = t2j_ad.jaxify(f, compile="graph")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert_tree_allclose(g(jnp.ones(4)), to_numpy(drawn))
+    assert_tree_allclose(to_numpy(tables[4]), to_numpy(drawn))
+    messages = [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
+    assert len(messages) == 1 and "a random draw" in messages[0]
+
+
 class _PlainObject:
     """A plain object, holding another: ``st.inner.count``."""
 
