@@ -60,8 +60,10 @@ XLA's buffer, which they then read after XLA reused it, and write into
 anything keeping the input does (NumPy's array holds ``x.detach()``), so the
 look counts the input as kept; the holder itself is told apart only by
 looking for it (``held_by_address``): among the tensors in Python's two
-younger generations (what the call made), one around the input's memory with
-a storage of its own, or one viewing the input's storage held by more than
+younger generations (what the call made, unless a collection moved it:
+NOTE [a collection during the look's call]), one around the input's memory
+with a storage of its own (not another input's: NOTE [inputs sharing one
+buffer]), or one viewing the input's storage held by more than
 the objects Python's collector sees hold it and PyTorch's own holders (a
 NumPy array is no object the collector sees; a list, a dict, an attribute,
 a frame, an autograd graph or a view are). Where one is found, the function
@@ -88,6 +90,61 @@ and are handled as said here: the storage's Python object, made by the
 trace, and copies where nothing can be moved. Until the look is run on a
 GPU, GPU calls are as before it: a function that keeps an input past the
 call must keep a copy (``x.clone()``).
+
+NOTE [inputs sharing one buffer]
+XLA may pass one buffer as two inputs: ``f(x, x)``, or, under ``jax.jit``,
+``f(x, x.reshape(3, 2))``. Each input is then a tensor with a storage of its
+own around the same memory, so a function keeping ``a.detach()`` and
+``b.detach()`` leaves, for the look at ``a``, a tensor around ``a``'s memory
+with a storage of its own: ``b``'s, which is what ``from_numpy`` and
+``from_dlpack`` make. It is no holder by address: ``b``'s storage is
+looked at, and moved where kept, as ``a``'s is, each to memory of its own
+(two JAX values, which PyTorch's writes after the call must not join). So
+the look passes over tensors viewing another input's storage; without
+this, such a function failed its second call, naming NumPy arrays it
+never made (the review of the ninth fuzzing pass's fixes).
+
+NOTE [what the call made, in Python's generation lists]
+A tensor the caller made from the JAX array it passes
+(``t2j_ad.tree_j2t(x)``, ``torch.from_dlpack(x)``) and holds during a call
+that keeps its input has a storage of its own around the input's memory,
+as a ``from_dlpack`` holder made in the call has; it holds the buffer
+through JAX, a reference of its own, and is no holder the call made. Such
+a call failed, naming NumPy arrays (the review of the ninth fuzzing pass's
+fixes). Nothing about the two tensors tells them apart (counting the input
+storage's uses does not: ``from_dlpack``'s capsule keeps ``x.detach()``'s
+Python tensor alive), but when they were made does. Python's collector
+appends what it starts tracking (every tensor, when made) to the end of
+its youngest generation's list, and a collection appends the survivors of
+a generation to the end of the next one's, so its lists, oldest generation
+first, run from older to newer. The runner's ``references`` list, made
+just before the call and held by the runner's frame through it, marks
+where the call's objects begin (a ``mark``): a tensor of a storage of its
+own counts only where listed after it (in its generation's list, or in a
+younger generation). A collection can move an object to the end of its
+list (one that only objects of that list reach, listed after it), which
+makes it look newer, never older: the mark, held from outside the lists,
+stays where it is, so a holder the call made is always found; a caller's
+tensor so moved is taken for one, as before.
+
+NOTE [a collection during the look's call]
+Python's collector moves what survives a collection of its generation 1 to
+the oldest (generation 2), as ``gc.collect()``, ``gc.collect(1)`` or about
+7,000 net allocations in the call do (thresholds 700 and 10). A holder by
+address made before that (the call's ``self.log.append(x.numpy())``) is then
+no longer among the young generations' objects, and a look at those only
+missed it: the logged arrays read XLA's reused buffers (the review of the
+ninth fuzzing pass's fixes). The look's mark tells when (NOTE [what the
+call made, in Python's generation lists]): made before anything the call
+made, it is in a generation at least as old as theirs, so it leaves the
+young generations whenever the call's objects do. So where the mark is not
+among the young generations' objects, the look passes over the oldest's
+too (a few hundred thousand objects with PyTorch and JAX loaded: about 0.1
+to 0.3 s more on a 2-core CPU at load 8, one to three times a look's
+cost), and only then: a look that finds the mark young costs what it did,
+and calls that keep nothing make no look. No gc callback and no count
+read before each call: the hot path is unchanged (the mark is the list
+each call made already).
 """
 
 from __future__ import annotations
@@ -118,9 +175,10 @@ _refcount = sys.getrefcount
 # NOTE [inputs kept by their address]: how many of a function's calls that
 # keep an input are looked at for what holds its address.
 _KEEPING_CALLS_LOOKED_INTO = 3
-# Python's young generations: what a call made, unless a collection of the
-# oldest ran during it.
+# Python's young generations: what a call made, unless a collection moved
+# it to the oldest (NOTE [a collection during the look's call]).
 _YOUNG_GENERATIONS = (0, 1)
+_OLDEST_GENERATION = 2
 
 
 def references(inputs: Sequence[torch.Tensor]) -> list[int]:
@@ -163,7 +221,7 @@ def release_kept_inputs(
                 if look is None:
                     look = sys.exception() is handling and _one_more_look(fn)
                 if look and not by_address:
-                    by_address = held_by_address(inputs, i)  # before the move: the address is XLA's
+                    by_address = held_by_address(inputs, i, before)  # before the move: the address is XLA's
                 _to_own_memory(storage)
     return by_address
 
@@ -183,36 +241,89 @@ def kept_by_address(inputs: Sequence[torch.Tensor], before: Sequence[int], fn: K
     the first calls of ``fn`` that keep one."""
     if not _one_more_look(fn):
         return False
-    return any(_kept(inputs, i, before) and held_by_address(inputs, i) for i in range(len(before)))
+    return any(_kept(inputs, i, before) and held_by_address(inputs, i, before) for i in range(len(before)))
 
 
-def held_by_address(inputs: Sequence[torch.Tensor], i: int) -> bool:
-    """Whether something in Python's two younger generations (made since
-    its collector last moved objects to the oldest) holds the memory of
-    ``inputs[i]`` by its address: a tensor around that memory with
-    a storage of its own, or a tensor viewing its storage held by an object
-    Python's collector does not see, a NumPy array (NOTE [inputs kept by
-    their address]). Costly: only for an input found kept."""
-    start = inputs[i].data_ptr()
-    if not start:
+def held_by_address(inputs: Sequence[torch.Tensor], i: int, mark: object) -> bool:
+    """Whether something the call made holds the memory of ``inputs[i]`` by
+    its address: a tensor around that memory with a storage of its own, or a
+    tensor viewing its storage held by an object Python's collector does not
+    see, a NumPy array (NOTE [inputs kept by their address]). ``mark`` is an
+    object Python's collector tracks, made just before the call and held
+    through it (the list ``references`` made): what its generation lists
+    hold after it, the call made (NOTE [what the call made, in Python's
+    generation lists]). Looks in Python's two younger generations, and in
+    the oldest too where a collection moved the call's objects there (NOTE
+    [a collection during the look's call]). Costly: only for an input found
+    kept."""
+    if not inputs[i].data_ptr():
         return False
-    end = start + inputs[i].untyped_storage().nbytes()
-    address = _storage_address(inputs[i])
-    own = {id(t) for t in inputs}
-    viewing: list[torch.Tensor] = []
+    look = _AddressLook(inputs, i, mark)
     for generation in _YOUNG_GENERATIONS:
-        for obj in gc.get_objects(generation):
-            if not issubclass(type(obj), torch.Tensor) or id(obj) in own:  # type(): no __class__ property run
+        if look.finds_own_storage_in(gc.get_objects(generation)):
+            return True
+    if not look.mark_seen and look.finds_own_storage_in(gc.get_objects(_OLDEST_GENERATION)):
+        return True
+    return look.viewed_unseen()
+
+
+class _AddressLook:
+    """One look for what holds ``inputs[i]``'s memory by its address, over
+    the objects of one generation after another, the youngest first."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor], i: int, mark: object) -> None:
+        self.input = inputs[i]
+        self.start = inputs[i].data_ptr()
+        self.end = self.start + inputs[i].untyped_storage().nbytes()
+        self.address = _storage_address(inputs[i])
+        self.own = {id(t) for t in inputs}
+        # NOTE [inputs sharing one buffer]: another input's storage is no holder.
+        self.other_inputs = {_storage_address(t) for t in inputs} - {self.address}
+        self.viewing: list[torch.Tensor] = []
+        self.mark = mark
+        # Whether ``mark`` was among the objects looked at: made before the
+        # call, it left the young generations only if the call's own objects
+        # did too (NOTE [a collection during the look's call]).
+        self.mark_seen = False
+
+    def finds_own_storage_in(self, objects: list[object]) -> bool:
+        """Whether one of ``objects``, in the order of a generation's list,
+        is a tensor the call made (listed after ``mark``, or in a generation
+        younger than its) around the input's memory with a storage of its
+        own (``from_numpy``, ``from_dlpack``). The tensors viewing the
+        input's storage are kept for ``viewed_unseen``. ``objects`` is the
+        caller's to drop: it holds every tensor in it."""
+        mark_in_younger = self.mark_seen
+        before_mark = False  # such a tensor listed before ``mark`` in ``objects``
+        for obj in objects:
+            if obj is self.mark:
+                self.mark_seen = True
+                continue
+            if not issubclass(type(obj), torch.Tensor) or id(obj) in self.own:  # type(): no __class__ run
                 continue
             try:
-                if _storage_address(obj) == address:
-                    viewing.append(obj)
-                elif start <= obj.data_ptr() < end and obj.device == inputs[i].device:
-                    return True  # from_numpy, from_dlpack: a storage of its own around the same memory
+                address = _storage_address(obj)
+                if address == self.address:
+                    self.viewing.append(obj)
+                elif (
+                    not mark_in_younger
+                    and address not in self.other_inputs
+                    and self.start <= obj.data_ptr() < self.end
+                    and obj.device == self.input.device
+                ):
+                    if self.mark_seen:
+                        return True
+                    before_mark = True
             except Exception:  # noqa: BLE001 - a wrapper (functorch's, a subclass's) may have no storage
                 continue
-    obj = None
-    return bool(viewing) and _held_unseen(viewing)
+        # Listed before ``mark`` in its own list, made before the call: the caller's.
+        return before_mark and not self.mark_seen
+
+    def viewed_unseen(self) -> bool:
+        """Whether a tensor viewing the input's storage is held by an object
+        Python's collector does not see (``_held_unseen``)."""
+        viewing, self.viewing = self.viewing, []
+        return bool(viewing) and _held_unseen(viewing)
 
 
 def _held_unseen(tensors: list[torch.Tensor]) -> bool:

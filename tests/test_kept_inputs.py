@@ -8,6 +8,7 @@ an immutable JAX array."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import warnings
 
@@ -209,6 +210,128 @@ def test_a_streaming_module_looks_for_address_holders_on_its_first_calls_only(mo
     outs = np.stack([to_numpy(step(params, jnp.asarray(x, jnp.float32))) for x in _XS])
     np.testing.assert_allclose(outs, _deltas(_XS.astype(np.float32)), rtol=1e-6, atol=1e-6)
     assert len(looked) == kept_inputs._KEEPING_CALLS_LOOKED_INTO < len(_XS)
+
+
+def _pair_step(store: dict):
+    """Keeps both inputs, as a streaming function does: the sums of this
+    call's inputs less those of the last call's."""
+
+    def step(a, b):
+        out = a.sum() + b.sum()
+        if store:
+            out = out - store["a"].sum() - store["b"].sum()
+        store["a"], store["b"] = a.detach(), b.detach()
+        return out
+
+    return step
+
+
+_ONE_BUFFER_TWICE = {
+    "one_array_twice": lambda f: lambda x: f(x, x),
+    "a_reshape_under_jit": lambda f: jax.jit(lambda x: f(x, x.reshape(3, 2))),  # XLA passes one buffer twice
+}
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+@pytest.mark.parametrize("passed", list(_ONE_BUFFER_TWICE))
+def test_inputs_sharing_one_buffer_kept_hold_their_values(passed, compile):
+    """NOTE [inputs sharing one buffer]: each input's storage was taken for a
+    holder of the other's address, and the second call failed."""
+    xs = np.arange(4 * 6, dtype=np.float32).reshape(4, 6) ** 2
+    reference_step = _pair_step({})
+    second_shape = (6,) if passed == "one_array_twice" else (3, 2)
+    want = [reference_step(torch.tensor(x), torch.tensor(x).reshape(second_shape)) for x in xs]
+    store: dict = {}
+    step = _ONE_BUFFER_TWICE[passed](t2j_ad.jaxify(_pair_step(store), compile=compile))
+    got = []
+    for x in xs:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", t2j_ad.FallbackWarning)
+            got.append(to_numpy(step(jnp.asarray(x))))
+        [jax.block_until_ready(jnp.full(6, -1.0) + 0) for _ in range(50)]  # same-sized work after it
+    np.testing.assert_allclose(np.stack(got), torch.stack(want).numpy(), rtol=1e-6)
+    np.testing.assert_array_equal(to_numpy(store["a"]).ravel(), xs[-1])
+    np.testing.assert_array_equal(to_numpy(store["b"]).ravel(), xs[-1])
+
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_view_the_caller_holds_of_an_input_is_no_holder_of_its_address(compile):
+    """NOTE [what the call made, in Python's generation lists]: the caller's
+    own zero-copy view, alive during the call, was taken for a holder of the
+    input's address, and the second call failed."""
+    store: dict = {}
+    step = t2j_ad.jaxify(lambda x: _pair_step(store)(x, x * 0), compile=compile)
+    reference_step = _pair_step({})
+    for k in range(1, 5):
+        x = jnp.full(4, float(k))
+        mine = t2j_ad.tree_j2t(x)  # the caller's own PyTorch view of x
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", t2j_ad.FallbackWarning)
+            got = to_numpy(step(x))
+        want = reference_step(torch.full((4,), float(k)), torch.zeros(4))
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+        np.testing.assert_array_equal(mine.numpy(), np.full(4, float(k), np.float32))
+    np.testing.assert_array_equal(to_numpy(store["a"]), np.full(4, 4.0, np.float32))
+
+_COLLECTIONS = {
+    "gc_collect": lambda: gc.collect(1),  # what survives it moves to the oldest generation
+    "allocations": lambda: [[i] for i in range(30_000)],  # net allocations: Python collects generation 1
+}
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+@pytest.mark.parametrize("holder", ["numpy", "from_dlpack"])
+@pytest.mark.parametrize("collection", list(_COLLECTIONS))
+def test_an_input_kept_by_its_address_is_found_after_a_collection_during_the_call(collection, holder, compile):
+    """NOTE [a collection during the look's call]: the NumPy array's tensor,
+    moved to the oldest generation, was not looked at, and the log read
+    XLA's reused buffers."""
+    collect = _COLLECTIONS[collection]
+
+    def keep(x):
+        logged = _BY_ADDRESS[holder](x)
+        collect()
+        return logged
+
+    xs = np.arange(5 * 64, dtype=np.float32).reshape(5, 64)
+    reference = _Logger(keep)
+    for x in xs:
+        reference(torch.tensor(x) + 1.0)
+
+    module = _Logger(keep)
+    apply, params = t2j_ad.jaxify_module(module, compile=compile)
+    step = jax.jit(lambda p, x: apply(p, x + 1.0))  # the input: a buffer of the jit, freed after it
+    for x in xs:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", t2j_ad.FallbackWarning)  # graph mode: NumPy needs real values
+            jax.block_until_ready(step(params, jnp.asarray(x)))
+        [jax.block_until_ready(jnp.full(64, -1.0) + 0) for _ in range(50)]  # same-sized work after it
+    np.testing.assert_array_equal(_logged(module.log[-5:]), _logged(reference.log))
+
+
+@pytest.mark.parametrize("collected", [False, True])
+def test_a_look_passes_over_the_oldest_generation_only_after_a_collection(monkeypatch, collected):
+    """NOTE [a collection during the look's call]: the oldest generation,
+    hundreds of thousands of objects, is looked at only where a collection
+    moved the call's objects there; what the look finds is the same."""
+    generations = []
+    get_objects = gc.get_objects
+    monkeypatch.setattr(gc, "get_objects", lambda *gen: generations.extend(gen) or get_objects(*gen))
+    gc.disable()  # no collection but the test's own
+    try:
+        x = torch.ones(16)  # an input, made for its call
+        mark = kept_inputs.references([x])  # as the runner makes it, just before the call
+        logged = x.detach().numpy()
+        if collected:
+            gc.collect(1)
+        assert kept_inputs.held_by_address([x], 0, mark)
+        del logged
+        assert not kept_inputs.held_by_address([x], 0, mark)
+    finally:
+        gc.enable()
+    oldest = {kept_inputs._OLDEST_GENERATION}
+    assert set(generations) == set(kept_inputs._YOUNG_GENERATIONS) | (oldest if collected else set())
 
 
 def _reads_its_storage(w, x):
