@@ -20,6 +20,19 @@ object it names: ``referenced_modules``) are recorded too, each with its
 submodules (a method may read ``self.head.training``), with their flags when
 the trace starts. Other Python state a function reads (a global number, an
 attribute of its own) is read once per trace, as under ``jax.jit``.
+
+NOTE [a dropout's rate is part of its mode]
+A dropout module reads its rate ``p`` in Python as it reads its flag, and a
+notebook sets it between calls (``model.drop.p = 0.5`` where it was 0.0,
+to turn dropout on). Unseen, a graph kept the rate it was traced with, and
+eager derivatives of a function that drew nothing at ``p = 0`` drew afresh
+at 0.5 rather than replaying the value's draws: ``jax.value_and_grad`` took
+the gradient through another mask than the value's (off by 0.67),
+silently. So the mode of a dropout module (``nn.Dropout`` and its kin) is
+its flag and its rate, and that of a ``MultiheadAttention`` its flag and
+its ``dropout``: a changed rate is a changed mode, with a graph and effects
+of its own. Checking costs one tuple made per such module per call; a
+module of any other kind is checked by its flag alone, as before.
 """
 
 from __future__ import annotations
@@ -35,8 +48,25 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from .module_hooks import own_global_hooks
 from .references import reachable
 
-# Each module a trace ran, with its training flag then, in the order they ran.
-ModuleModes = tuple[tuple[torch.nn.Module, bool], ...]
+# A module's mode: its training flag, and for a dropout its rate too
+# (NOTE [a dropout's rate is part of its mode]).
+Mode = bool | tuple[bool, float]
+# Each module a trace ran, with its mode then, in the order they ran.
+ModuleModes = tuple[tuple[torch.nn.Module, Mode], ...]
+
+# The modules whose forward reads a rate of dropout, and that attribute's name.
+_RATED = ((torch.nn.modules.dropout._DropoutNd, "p"), (torch.nn.MultiheadAttention, "dropout"))
+
+
+def mode_of(module: torch.nn.Module) -> Mode:
+    """``module``'s training flag, with its rate of dropout where its
+    forward reads one (NOTE [a dropout's rate is part of its mode])."""
+    training = bool(module.training)
+    for kind, rate in _RATED:
+        if isinstance(module, kind):
+            return training, getattr(module, rate)
+    return training
+
 
 
 class UninitializedModuleError(ValueError):
@@ -68,7 +98,7 @@ class _Recorder:
     def __call__(self, module: torch.nn.Module, args: object) -> None:
         if threading.get_ident() == self.thread and id(module) not in self.seen:
             refuse_uninitialized(module)
-            self.seen[id(module)] = (module, bool(module.training))
+            self.seen[id(module)] = (module, mode_of(module))
 
     def modes(self) -> ModuleModes:
         return tuple(self.seen.values())
@@ -98,8 +128,14 @@ def recording_module_modes(referenced: Sequence[torch.nn.Module] = ()) -> Iterat
 
 
 def modes_hold(modes: ModuleModes) -> bool:
-    """Whether every recorded module still has the training flag it had."""
-    for module, training in modes:
-        if module.training != training:
+    """Whether every recorded module still has the mode it had: its
+    training flag, and a dropout's rate too."""
+    for module, mode in modes:
+        if module.training is mode:  # the common case: one flag, unchanged
+            continue
+        if mode.__class__ is bool:
+            if bool(module.training) != mode:
+                return False
+        elif mode_of(module) != mode:
             return False
     return True

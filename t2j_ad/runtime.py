@@ -876,7 +876,8 @@ class _RunnerWithEffects(_RunnerWatchingNames):
         # generator reads the token by its index, and _Runner drops it.
         if self.checks_flags and not effects_now(self.base).same_as(traced_for(self.base)):
             raise TorchCallError(
-                f"{self.name}: the modules it runs changed training mode (module.train() or .eval()), or "
+                f"{self.name}: the modules it runs changed training mode (module.train() or .eval()) or a "
+                f"dropout's rate (model.drop.p = 0.5), or "
                 f"had a submodule replaced or a hook added, since jax.jit traced it (or a name it reads now "
                 f"holds another module, function or state tensor: model = ..., a helper defined again, "
                 f"acc = torch.zeros(3); or its own run bound one, as self.act = drop if self.noisy else ident "

@@ -251,6 +251,38 @@ def test_a_module_inferred_in_eval_mode_replays_its_draws_once_in_training_mode(
     assert torch.equal(after, expected_after)
 
 
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("rates", [(0.0, 0.5), (0.1, 0.5), (0.5, 0.0)])
+def test_a_dropout_rate_set_after_a_call_is_seen(rates, mode):
+    """A notebook turns dropout on between calls (``model[1].p = 0.5`` where
+    it was 0.0): eager derivatives drew a mask of their own instead of
+    replaying the value's (the gradient off by 0.67), and a graph kept the
+    rate it was traced with (tenth fuzzing pass). NOTE [a dropout's rate is
+    part of its mode]; held against PyTorch's own call from the same seed."""
+    before, after = rates
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(before), torch.nn.Linear(8, 1))
+    model = model.to(TORCH_DEVICE).train()
+
+    def loss(x):
+        return (model(x) ** 2).sum()
+
+    value_and_grad = jax.value_and_grad(t2j_ad.jaxify(loss, compile=mode))
+    jax.block_until_ready(value_and_grad(_X))
+    model[1].p = after
+    for step in (value_and_grad, jax.jit(value_and_grad)):
+        (value, grad), _ = _seeded_run(lambda step=step: step(_X))
+
+        def reference():
+            x = to_torch(_X).requires_grad_()
+            value = loss(x)
+            return value, torch.autograd.grad(value, x)[0]
+
+        torch.manual_seed(0)
+        expected_value, expected_grad = reference()
+        assert_tree_allclose((value, grad), (to_numpy(expected_value), to_numpy(expected_grad)), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("use_jit", [False, True])
 def test_under_jax_checkpoint_the_gradient_is_that_of_the_values_mask(use_jit):
     # jax.checkpoint runs the forward pass again in the backward pass: the
