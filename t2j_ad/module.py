@@ -84,8 +84,8 @@ import contextlib
 import operator
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import torch
@@ -420,7 +420,7 @@ def jaxify_module(
     compile: str | None = None,
     device: jax.Device | jax.sharding.Sharding | None = None,
     output_shapes: Any = None,
-) -> tuple[Callable[..., Any], dict[str, jax.Array]]:
+) -> tuple[ModuleApply, dict[str, jax.Array]]:
     """``apply, params`` for a ``torch.nn.Module``.
 
     ``params`` maps each name of ``module.named_parameters()`` to a JAX array
@@ -449,7 +449,9 @@ def jaxify_module(
 
     Returns:
         ``(apply, params)``: a JAX function of ``(params, *args, **kwargs)``
-        and the dict of the module's parameters as JAX arrays.
+        and the dict of the module's parameters as JAX arrays. ``apply``
+        pickles as the module and these options (all but ``device``), made
+        again by ``jaxify_module`` when loaded (NOTE [pickling apply]).
 
     Raises:
         TypeError: ``module`` is not a ``torch.nn.Module`` or ``device`` is
@@ -512,13 +514,84 @@ def jaxify_module(
         forward, vmap_method, output_shapes, batch_argnums=shifted, compile=compile, params_first=True
     )
 
-    def apply(params: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
-        _check_params(params, reference)
-        return jaxified(dict(params), *args, **kwargs)
-
-    reference = dict(params)
     given_dtypes = {name: torch_dtype(p.dtype) for name, p in params.items()}
-    apply.jaxified = jaxified  # type: ignore[attr-defined]
-    apply.compile_stats = jaxified.compile_stats  # type: ignore[attr-defined]
-    apply.__qualname__ = forward.__qualname__
-    return apply, params
+    made_by = _ApplyOptions(vmap_method, nums, jaxified.compile, output_shapes)
+    return ModuleApply(module, jaxified, dict(params), made_by, forward.__qualname__), params
+
+
+# NOTE [pickling apply]
+# ``apply`` was a closure over the module, its buffers' copies and the locks
+# of its calls: pickle refused it by name (its qualified name,
+# ``Sequential.forward``, names nothing in t2j_ad.module) and cloudpickle
+# on a lock ("cannot pickle '_thread.lock' object"), while a jaxify'd
+# function pickles as what makes it. So ``apply`` is an object that pickles
+# as the module and ``jaxify_module``'s options, and is made again from them
+# by ``jaxify_module`` when loaded: its caches start empty, as a jaxify'd
+# function's do, and it runs a copy of the module, as anything pickled with
+# its module does. ``device=`` is left out (a ``jax.Device`` does not
+# pickle): it placed the ``params`` the loaded apply is not given, so its
+# module's buffers are copied ahead to JAX's default device, and to any
+# other by the first call there (NOTE [a module's devices]).
+# ``copy.deepcopy`` gives ``apply`` itself, as for Python functions and a
+# jaxify'd function.
+
+
+class _ApplyOptions(NamedTuple):
+    """The options of ``jaxify_module`` an ``apply`` is made again with
+    (NOTE [pickling apply]); ``batch_argnums`` as the user counts them,
+    ``compile`` resolved."""
+
+    vmap_method: str
+    batch_argnums: tuple[int, ...] | None
+    compile: str
+    output_shapes: Any
+
+
+class ModuleApply:
+    """``apply(params, *args, **kwargs)`` of ``jaxify_module``: the module
+    with ``params`` bound in (``apply.jaxified``: the jaxify'd function of
+    ``(params, *args, **kwargs)``). Pickles as its module and options (NOTE
+    [pickling apply])."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        jaxified: JaxifiedFunction,
+        reference: dict[str, jax.Array],
+        made_by: _ApplyOptions,
+        qualname: str,
+    ) -> None:
+        self.jaxified = jaxified
+        self.compile_stats = jaxified.compile_stats
+        self._reference = reference  # the params' shapes, to check each call's against
+        self._module = module
+        self._made_by = made_by
+        self.__name__ = "apply"
+        self.__qualname__ = qualname
+
+    def __call__(self, params: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        _check_params(params, self._reference)
+        return self.jaxified(dict(params), *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<jaxify_module apply of {self.__qualname__}>"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModuleApply:
+        return self  # NOTE [pickling apply]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuilt_apply, (self._module, *self._made_by))
+
+
+def _rebuilt_apply(
+    module: torch.nn.Module,
+    vmap_method: str,
+    batch_argnums: tuple[int, ...] | None,
+    compile: str,
+    output_shapes: Any,
+) -> ModuleApply:
+    """A pickled ``apply`` made again (``ModuleApply.__reduce__``, NOTE [pickling apply])."""
+    apply, _ = jaxify_module(
+        module, vmap_method=vmap_method, batch_argnums=batch_argnums, compile=compile, output_shapes=output_shapes
+    )
+    return apply

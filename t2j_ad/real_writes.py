@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -567,10 +567,13 @@ _one_trial_run = threading.RLock()
 
 class _TrialRunning(threading.local):
     depth = 0  # trial runs open on this thread
+    # The outputs of the call ``call_undone`` runs, while it runs: that call
+    # is no trial run's inner call (NOTE [a call inside a trial run]).
+    call_outputs: list[torch.Tensor] | None = None
 
 
 # Read by the runner on every call: a call made inside a trial run runs
-# outside it (``outside_trial_runs``).
+# outside it, undone (``call_undone``).
 trial_running = _TrialRunning()
 
 
@@ -596,6 +599,53 @@ def outside_trial_runs() -> Iterator[None]:
             yield
     finally:
         trial_running.depth = depth
+
+
+# NOTE [a call inside a trial run]
+# A PyTorch function that calls another jaxify'd function (through
+# ``tree_t2j`` / ``tree_j2t``) makes a real call of it in each of its own
+# trial runs: the run on zeros (and on ones) that infers its shapes, and a
+# trace. That call runs outside the trial run's dispatch modes
+# (``outside_trial_runs``): they took its copy into XLA's output buffer for
+# a write to put back when the run ended, after XLA had freed the buffer
+# (glibc aborted the process), and a trace's fake and proxy modes are no
+# place for a real call. But then nothing put back what the inner call
+# wrote: an inner BatchNorm in training mode counted 2 batches after the
+# outer function's first call, its running mean a batch of zeros off, where
+# PyTorch counts 1. So such a call is itself a trial run of the inner
+# function, outside the outer one (``call_undone``): its writes to the
+# tensors it keeps, its modules' attributes, its caches and PyTorch's random
+# state are put back when it ends, as the outer run puts back its own. It
+# writes its results into outputs of its own, made inside that run (so none
+# is taken for state to put back), copied into XLA's once the run has ended,
+# outside every mode. A call nested deeper (the inner function calling a
+# third) is a trial run's inner call again, and goes the same way; the call
+# ``call_undone`` runs is told by its outputs (``trial_running.call_outputs``).
+# The inner function's own first call still infers, traces and caches what it
+# finds for good: that is the runtime's, not the function's state. The lock
+# this takes first, the trial-run lock, is held already by the trial run
+# around (NOTE [lock order]); the modules' locks come last.
+
+
+@contextlib.contextmanager
+def call_undone(
+    outputs: Sequence[torch.Tensor], dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()
+) -> Iterator[list[torch.Tensor]]:
+    """Within the block, a call made inside a trial run writes its results
+    into the outputs it yields, in a trial run of its own outside the one
+    around (``dicts``, ``modules``: those its function refers to), which puts
+    back everything it wrote when it ends; then they are copied into
+    ``outputs`` (NOTE [a call inside a trial run])."""
+    with outside_trial_runs():
+        with trial_run(dicts, modules):
+            own = [torch.empty_like(out) for out in outputs]  # made in the run: nothing to put back
+            around, trial_running.call_outputs = trial_running.call_outputs, own
+            try:
+                yield own
+            finally:
+                trial_running.call_outputs = around
+        for out, result in zip(outputs, own):
+            out.copy_(result)
 
 
 def one_trial_run() -> threading.RLock:

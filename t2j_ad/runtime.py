@@ -26,7 +26,7 @@ from .kept_inputs import CAN_MOVE, any_kept, kept_by_address, release_kept_input
 from .kept_inputs import references as kept_inputs_references
 from .malloc_tuning import tune_malloc
 from .module_structure import StructureSeen
-from .real_writes import one_trial_run, outside_trial_runs, trial_running
+from .real_writes import call_undone, one_trial_run, trial_running
 from .replayed_calls import (
     GeneratorAround,
     draws_per_example,
@@ -352,9 +352,8 @@ class _Runner:
         # calls; everything unusual branches off to a method.
         if len(inputs) != self.n_in:
             inputs = inputs[: self.n_in]
-        if trial_running.depth:
-            with outside_trial_runs():  # a call is no part of the run around it
-                self(inputs, outputs, stream)
+        if trial_running.depth and outputs is not trial_running.call_outputs:
+            self._inside_trial_run(inputs, outputs, stream)  # a call is no part of the run around it
             return
         if _any_autocast():
             # NOTE [calls run without the caller's autocast]
@@ -493,7 +492,7 @@ class _Runner:
                         if not copying:
                             raise unmovable_kept_input()
 
-    def _serialized(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    def _serialized(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
         # NOTE [forward AD is process-wide]; a call about to trace takes the
         # trial-run lock its trace takes first (NOTE [lock order]).
         tracing = self.call == self._first_compiled_call
@@ -501,9 +500,21 @@ class _Runner:
             _forward_ad_held.held = True
             try:
                 with forward_ad_levels_kept():  # NOTE [an interrupt inside forward AD]
-                    self(inputs, outputs)
+                    self(inputs, outputs, stream)
             finally:
                 _forward_ad_held.held = False
+
+    def _inside_trial_run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
+        """The call, made inside another function's trial run, run outside it
+        as a trial run of its own, which puts back what it wrote (NOTE [a call
+        inside a trial run] in real_writes.py)."""
+        if self.forward_ad and not getattr(_forward_ad_held, "held", False):
+            # The forward-AD lock before the modules' locks the run takes (NOTE [lock order]).
+            self._serialized(inputs, outputs, stream)
+            return
+        dicts, modules = _referenced(self.base)
+        with call_undone(outputs, dicts, modules) as own:
+            self(inputs, own, stream)
 
     def _on_stream(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
         # PyTorch must run on XLA's stream, for the call and the copies.
@@ -915,6 +926,12 @@ class _RunnerWithEffects(_RunnerWatchingNames):
 # forward-mode first call (the trial-run lock, then the graph lock) waited
 # for another transform's trace (the graph lock, then the trial-run lock),
 # which tests/test_concurrency.py caught.
+
+
+def _referenced(base: object) -> tuple[Sequence[dict], Sequence[torch.nn.Module]]:
+    """The dicts and modules ``base``'s function refers to (api sets them on
+    each BaseFn, replayed_calls on its variants)."""
+    return getattr(base, "referenced_dicts", ()), getattr(base, "referenced_modules", ())
 
 
 def _effect_duties(fun: TorchFn) -> tuple[bool, bool, bool]:

@@ -721,3 +721,36 @@ def test_graph_mode_batches_a_vmap_over_params_as_eager_does():
             warnings.simplefilter("error", t2j_ad.FallbackWarning)
             per_model[mode] = jax.jit(jax.vmap(jax.grad(loss)))(stacked)
     assert_tree_allclose(per_model["graph"], per_model["eager"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_apply_pickles_as_its_module_and_options_and_deep_copies_as_itself(x64, compile):
+    """NOTE [pickling apply]: pickle refused apply, naming Sequential.forward
+    on t2j_ad.module (cloudpickle: "cannot pickle '_thread.lock' object"),
+    where a jaxify'd function pickles."""
+    import copy
+    import pickle
+
+    model = _seeded(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))).double()
+    apply, params = t2j_ad.jaxify_module(model, vmap_method="sequential", batch_argnums=0, compile=compile)
+    x = jnp.asarray(np.random.RandomState(0).randn(5, 3))
+    loss = lambda apply: lambda p, x: (apply(p, x) ** 2).sum()  # noqa: E731
+    apply(params, x)
+    assert copy.deepcopy({"apply": apply})["apply"] is apply
+    loaded = pickle.loads(pickle.dumps(apply))
+    assert loaded is not apply
+    assert (loaded.jaxified.vmap_method, loaded.jaxified.batch_argnums, loaded.jaxified.compile) == (
+        "sequential",
+        (1,),
+        compile,
+    )
+
+    def reference_loss(p, x):
+        return (torch.func.functional_call(model, p, (x,)) ** 2).sum()
+
+    torch_params = {k: to_torch(v) for k, v in params.items()}
+    expected_grad = torch.func.grad(reference_loss)(torch_params, to_torch(x))
+    for f in (apply, loaded):
+        np.testing.assert_allclose(f(params, x), to_numpy(model(to_torch(x))), rtol=1e-12)
+        assert_tree_allclose(jax.grad(loss(f))(params, x), {k: to_numpy(g) for k, g in expected_grad.items()})
+    assert loaded.compile_stats() == loaded.jaxified.compile_stats()
