@@ -675,8 +675,9 @@ class _Runner:
         if where.type == "meta":
             return (
                 f"{own}. Output shapes and dtypes must depend on the input shapes and dtypes alone (all JAX "
-                f"knows when it traces). Either the function reads Python state that changed since (a global "
-                f"size set again in a later cell: call t2j_ad.clear_caches() after changing it), or it branches "
+                f"knows when it traces). Either the function reads Python state that changed since (a module "
+                f"it runs cast to another dtype, model.double(), or a global size set again in a later cell: "
+                f"call t2j_ad.clear_caches() after such a change), or it branches "
                 f"on the device (if x.device.type == 'cpu': x = x.float()), which is 'meta' there, or a meta "
                 f"kernel of an op here differs from its real one, a PyTorch bug (torch 2.11's "
                 f"linalg.vector_norm with dim=-1 over a size-1 dimension is one): pass output_shapes= with "
@@ -685,8 +686,9 @@ class _Runner:
         hint = integer_scalars_hint(getattr(self.base, "in_names", ()), self.base.in_avals)
         return (
             f"{own}; output shapes and dtypes must depend on the input shapes and dtypes alone, which is all "
-            f"JAX knows when it traces (a global size set again after the first call: call "
-            f"t2j_ad.clear_caches() after changing it)" + (f".{hint.rstrip('.')}" if hint else "")
+            f"JAX knows when it traces. So it reads Python state that changed since its first call: a module it runs "
+            f"cast to another dtype or given parameters of another shape (model.double(), w.data = ...), or a "
+            f"global size set again; call t2j_ad.clear_caches() after such a change" + (f".{hint.rstrip('.')}" if hint else "")
         )
 
     def _outside_inference_mode(

@@ -754,3 +754,27 @@ def test_apply_pickles_as_its_module_and_options_and_deep_copies_as_itself(x64, 
         np.testing.assert_allclose(f(params, x), to_numpy(model(to_torch(x))), rtol=1e-12)
         assert_tree_allclose(jax.grad(loss(f))(params, x), {k: to_numpy(g) for k, g in expected_grad.items()})
     assert loaded.compile_stats() == loaded.jaxified.compile_stats()
+
+
+def test_a_closed_over_module_cast_after_a_call_names_the_cast_and_the_fix(x64):
+    """A module the function closes over cast to float64 after its first call
+    (a notebook's next cell): the output dtype the signature inferred no
+    longer holds. The error blamed "a global size set again"; it names the
+    cast now, and the fix it names works (tenth fuzzing pass)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).to(TORCH_DEVICE)
+
+    def fn(x):
+        return model(x.to(model.weight.dtype)).sum()
+
+    f = t2j_ad.jaxify(fn)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 3)), jnp.float32)
+    assert f(x).dtype == jnp.float32
+    model.double()
+    with pytest.raises(Exception, match=r"model\.double\(\)") as refused:
+        jax.block_until_ready(f(x))
+    assert "t2j_ad.clear_caches()" in str(refused.value)
+    t2j_ad.clear_caches()
+    got = f(x)
+    assert got.dtype == jnp.float64
+    np.testing.assert_allclose(got, to_numpy(fn(to_torch(x)).detach()), rtol=1e-12)
