@@ -71,7 +71,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # private: NOTE [what 
 from .functorch_levels import dispatch_keys_kept, innermost_tensor
 from .fx_sources import forget_sources, recompile, source_key
 from .held_layouts import HeldLayouts
-from .module_modes import ModuleModes, modes_hold, recording_module_modes
+from .module_modes import NO_MODES, ModuleModes, modes_hold, recording_module_modes
 from .output_buffers import (
     OutSpecs,
     computing_outputs_in_place,
@@ -448,13 +448,13 @@ class Artifact:
         self.cuda_graph: Any = None  # cuda_graphs.CudaGraphCall, on CUDA
         self.trace_seconds = 0.0
         self.compile_seconds = 0.0
-        self.modes: ModuleModes = ()  # NOTE [a graph per training mode]
+        self.modes: ModuleModes = NO_MODES  # NOTE [a graph per training mode]
         self.layouts: HeldLayouts | None = None  # NOTE [the layouts a graph assumed]
 
     def holds(self) -> bool:
         """Whether what the graph assumed beyond its inputs still holds: the
-        training flags of the modules it ran, the layouts of the tensors it
-        holds."""
+        training flags and forwards of the modules it ran (NOTE [a forward
+        replaced after a trace]), the layouts of the tensors it holds."""
         return modes_hold(self.modes) and (self.layouts is None or self.layouts.hold())
 
 
@@ -660,7 +660,7 @@ def artifact_for(
         with recording_module_modes(getattr(base, "referenced_modules", ())) as recorder:
             artifact, first = _build_artifact(mode, impl, base, inputs, grad_enabled, out_specs)
         artifact.modes = recorder.modes()
-        cache[(*where, tuple((id(m), flag) for m, flag in artifact.modes))] = artifact
+        cache[(*where, tuple((id(m), flag) for m, flag in artifact.modes), artifact.modes.rates())] = artifact
     if isinstance(first, FirstRunNotUndone):
         raise first
     return artifact, first

@@ -27,6 +27,19 @@ modules it ran or refers to and from the global tables, the tables of
 hooks with keyword arguments, always-called hooks and state-dict hooks
 included. A hook another thread registers on one of those modules while a
 trial run is on is removed too; a hook on a tensor is not.
+
+NOTE [only PyTorch's hook tables]
+The tables a trial run removes hooks from were first found by name: every
+dict attribute of a module whose name held "hooks". A module of the user's
+may keep such a dict of its own, keyed by ints (``self.monitor_hooks =
+{id(m): handle}``, ``self.step_hooks = {1000: callback}``), and every key
+at or above the number of the next hook (an ``id`` always is) was deleted
+by the first call: the user's dict came back empty. So the tables are
+PyTorch's alone, found by what they are: the dicts ``nn.Module.__init__``
+sets on a fresh module, but those of submodules, parameters and buffers
+(``_forward_hooks``, ``_forward_hooks_with_kwargs``, ``_state_dict_hooks``
+and the like), and the dicts ``torch.nn.modules.module`` keeps under a
+``_global_`` name.
 """
 
 from __future__ import annotations
@@ -60,16 +73,30 @@ def hooks_numbered() -> int:
     return RemovableHandle.next_id
 
 
+# The tables, keyed by the handles' ids, in which PyTorch keeps a module's
+# hooks and their flags (with keyword arguments, always called) and the
+# global ones: the dicts nn.Module.__init__ sets but those of submodules,
+# parameters and buffers, and the dicts torch.nn.modules.module keeps under
+# a ``_global_`` name (NOTE [only PyTorch's hook tables]).
+_NOT_HOOK_TABLES = ("_parameters", "_buffers", "_modules")
+_EVERY_MODULE_TABLE = tuple(
+    name for name, value in vars(torch.nn.Module()).items() if isinstance(value, dict) and name not in _NOT_HOOK_TABLES
+)
+_EVERY_GLOBAL_TABLE = tuple(
+    name for name, value in vars(_module_hooks).items() if name.startswith("_global_") and isinstance(value, dict)
+)
+
+
 def _every_table(module: torch.nn.Module | None) -> list[dict[Any, Any]]:
     """Every table of hooks ``module`` holds (the global ones for None),
     those of hooks with keyword arguments and always-called hooks, keyed by
-    the same numbers, included."""
-    attributes = vars(_module_hooks) if module is None else getattr(module, "__dict__", {})
-    return [
-        table
-        for name, table in list(attributes.items())
-        if "hooks" in name and isinstance(table, dict) and (module is not None or name.startswith("_global"))
-    ]
+    the same numbers, included; PyTorch's alone (NOTE [only PyTorch's hook
+    tables])."""
+    if module is None:
+        attributes, names = vars(_module_hooks), _EVERY_GLOBAL_TABLE
+    else:
+        attributes, names = getattr(module, "__dict__", {}), _EVERY_MODULE_TABLE
+    return [table for table in map(attributes.get, names) if isinstance(table, dict)]
 
 
 def remove_hooks_since(first: int, modules: Iterable[torch.nn.Module]) -> None:
@@ -81,18 +108,46 @@ def remove_hooks_since(first: int, modules: Iterable[torch.nn.Module]) -> None:
                 del table[key]
 
 
+def _where_tables_are(module: torch.nn.Module | None) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """What holds ``module``'s hook tables (the global ones for None), and
+    their names."""
+    if module is None:
+        return vars(_module_hooks), _GLOBAL_HOOK_TABLES
+    return getattr(module, "__dict__", {}), _HOOK_TABLES
+
+
 def _tables(module: torch.nn.Module | None) -> list[Any]:
     """``module``'s hook tables; the global ones for None."""
-    if module is None:
-        return [getattr(_module_hooks, name, None) for name in _GLOBAL_HOOK_TABLES]
-    attributes = getattr(module, "__dict__", {})
-    return [attributes.get(name) for name in _HOOK_TABLES]
+    attributes, names = _where_tables_are(module)
+    return [attributes.get(name) for name in names]
 
 
 def user_hook_ids(module: torch.nn.Module | None) -> tuple[tuple[int, ...], ...]:
     """The handles' ids of ``module``'s hooks (the global ones for None),
     table by table, but t2j_ad's own."""
     return tuple(tuple(key for key in table if key not in _ids_now) if table else () for table in _tables(module))
+
+
+# Where a hook is: the attributes holding its table, the table's name, and
+# the handle's id (NOTE [a hook removed after a call] in module_structure.py).
+HookPlace = tuple[dict[str, Any], str, int]
+
+
+def user_hook_places(modules: Iterable[torch.nn.Module]) -> tuple[HookPlace, ...]:
+    """Where each hook of ``modules`` and each global one is, but t2j_ad's
+    own, as ``user_hook_ids`` reads them."""
+    places: list[HookPlace] = []
+    for module in (*modules, None):
+        attributes, names = _where_tables_are(module)
+        for name in names:
+            table = attributes.get(name)
+            places += [(attributes, name, key) for key in table or () if key not in _ids_now]
+    return tuple(places)
+
+
+def hooks_still_in_place(places: Iterable[HookPlace]) -> bool:
+    """Whether every hook ``places`` names is still in its table."""
+    return all(key in (attributes.get(name) or ()) for attributes, name, key in places)
 
 
 def user_hooks(modules: Iterable[torch.nn.Module]) -> list[Callable[..., Any]]:

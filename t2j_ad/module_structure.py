@@ -35,8 +35,19 @@ the global ones (but t2j_ad's own, which its trial runs and replays add for
 a while: module_hooks.py), and every hook registered anywhere but by t2j_ad
 moves a count too (PyTorch numbers each ``RemovableHandle``), so a call
 compares the structure only after one was.
-A hook removed registers nothing and is not seen: the function then draws
-or writes less than its signature says, which replays nothing wrong.
+
+NOTE [a hook removed after a call]
+A hook removed registers nothing, and was first not seen: the function
+then draws or writes less than its signature says, which replays nothing
+wrong in eager mode. But in graph mode the plain call's graph, traced
+with the hook, kept running it, while a derivative traced afresh ran
+without it: ``jax.value_and_grad`` gave the value of one function and the
+gradient of another, silently. So the structure also remembers where each
+hook it holds is (a module's table and the handle's id:
+``module_hooks.user_hook_places``), and every call looks that each is
+still there: one dict lookup per hook, nothing for modules without hooks.
+A call that finds one gone resolves the signature again, as after a hook
+added; a graph traced before is then not used.
 """
 
 from __future__ import annotations
@@ -47,7 +58,7 @@ from typing import Any
 import torch
 import torch.nn.modules.module as _module_hooks  # public: torch.nn.modules.module.register_module_*_hook
 
-from .module_hooks import user_hook_ids, user_hooks_registered
+from .module_hooks import hooks_still_in_place, user_hook_ids, user_hook_places, user_hooks_registered
 from .named_bindings import BindingsSeen
 
 # How many submodules, parameters and buffers have been registered on any
@@ -70,6 +81,11 @@ def _registrations() -> tuple[int, int]:
     return _registered[0], user_hooks_registered()
 
 
+def _submodules(modules: Sequence[Any]) -> list[Any]:
+    """Every submodule of ``modules``, each root's in order."""
+    return [sub for root in modules for sub in root.modules()]
+
+
 def _structure(modules: Sequence[Any]) -> tuple[Any, ...]:
     """Each submodule of ``modules`` (by identity) with the names of its
     parameters and buffers, in order, and its hooks; and the global hooks."""
@@ -83,8 +99,7 @@ def _structure(modules: Sequence[Any]) -> tuple[Any, ...]:
                 tuple(sub._buffers.keys()),
                 user_hook_ids(sub),
             )
-            for root in modules
-            for sub in root.modules()
+            for sub in _submodules(modules)
         ),
         user_hook_ids(None),
     )
@@ -101,12 +116,14 @@ class StructureSeen:
     remembers hold (NOTE [a name rebound after a call] in named_bindings.py);
     ``holds()`` says whether both still are as they were."""
 
-    __slots__ = ("_modules", "_registered", "_structure", "_bindings")
+    __slots__ = ("_modules", "_registered", "_structure", "_hooks", "_bindings")
 
     def __init__(self, modules: Sequence[Any], bindings: BindingsSeen | None = None) -> None:
         self._modules = tuple(modules)
         self._registered = _registrations()
         self._structure = _structure(self._modules)
+        # NOTE [a hook removed after a call]
+        self._hooks = user_hook_places(_submodules(self._modules)) if self._modules else ()
         self._bindings = bindings
 
     def now(self) -> tuple[Any, ...]:
@@ -138,6 +155,8 @@ class StructureSeen:
 
     def holds(self) -> bool:
         if self._bindings is not None and not self._bindings.hold():
+            return False
+        if self._hooks and not hooks_still_in_place(self._hooks):  # NOTE [a hook removed after a call]
             return False
         registered = _registrations()
         if registered == self._registered or not self._modules:

@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from .references import GONE, a_callable, held_at, name_key, reachable, users_code
+from .references import GONE, Same, a_callable, held_at, name_key, reachable, users_code
 from .state_writes import memory_of
 
 
@@ -123,21 +123,6 @@ def _code_key(obj: Any) -> Any:
     if inspect.isbuiltin(obj) or isinstance(obj, type):
         return ("the same", id(obj))
     return ("of type", type(obj))
-
-
-class _Same:
-    """An object as a key: equal only to itself, whatever its ``__eq__``."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Same) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
 
 
 def _is_module(obj: Any) -> bool:
@@ -230,7 +215,7 @@ class BindingsSeen:
         what they key, so no other object takes their ids), or by code
         where watched so."""
         return tuple(
-            _code_key(_held(holder, key)) if type(value) is _ByCode else _Same(_held(holder, key))
+            _code_key(_held(holder, key)) if type(value) is _ByCode else Same(_held(holder, key))
             for holder, key, value in self._bindings
         )
 

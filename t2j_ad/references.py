@@ -151,3 +151,18 @@ def held_at(holder: Any, key: Any) -> Any:
         return holder[key]
     except Exception:  # noqa: BLE001 - the user's containers may raise anything
         return GONE
+
+
+class Same:
+    """An object as a key: equal only to itself, whatever its ``__eq__``."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)

@@ -174,7 +174,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .dropout_layouts import row_major_dropout
 from .functorch_levels import outside_transforms, unbatched_value
-from .module_modes import ModuleModes, mode_of, modes_hold
+from .module_modes import NO_MODES, ModuleModes, modes_hold
 from .random_state import GeneratorStatesKept, GeneratorStatesReplayed, unreplayable_given_draws
 from .state_writes import (
     NO_WRITES,
@@ -228,7 +228,7 @@ class Effects:
         )
 
 
-NO_EFFECTS = Effects(False, NO_WRITES, ())
+NO_EFFECTS = Effects(False, NO_WRITES, NO_MODES)
 
 
 def effects(base: BaseFn) -> Effects:
@@ -249,7 +249,8 @@ def effects(base: BaseFn) -> Effects:
     with base.lock:
         by_modes = base.__dict__.setdefault("effects_by_modes", {})
         # NOTE [a submodule replaced after a call] in module_structure.py
-        key = (tuple(mode_of(module) for module, _ in seen.modes), None if structure is None else structure.now())
+        # NOTE [a forward replaced after a trace] in module_modes.py
+        key = (seen.modes.now(), None if structure is None else structure.now())
         found = by_modes.get(key)
         if found is None:
             if len(by_modes) >= _EFFECTS_KEPT:  # a name a loop binds afresh each step: no end of keys

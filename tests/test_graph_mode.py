@@ -1387,6 +1387,61 @@ def test_a_submodule_replaced_after_a_trace_is_traced_again():
         np.testing.assert_allclose(f(x), to_numpy(net(to_torch(x))), rtol=1e-6, atol=1e-7)
 
 
+def _replace_forward(how, net):
+    """Replace the forward of ``net``'s first Linear on the instance, as a
+    LoRA adapter is injected, or the forward of nn.Tanh on the class; a
+    function that puts it back."""
+    if how == "instance":
+        lin = net[0]
+        lin.forward = lambda z: torch.nn.functional.linear(z, lin.weight, lin.bias) * 2 + z.sum(-1, keepdim=True)
+        return lambda: vars(lin).pop("forward")
+    old = torch.nn.Tanh.forward
+    torch.nn.Tanh.forward = lambda self, z: torch.sin(z) * 3
+
+    def put_back():
+        torch.nn.Tanh.forward = old
+
+    return put_back
+
+
+@pytest.mark.parametrize("how", ["instance", "class"])
+@pytest.mark.parametrize("wrap", ["jaxify", "jaxify_module"])
+def test_a_builtin_submodules_forward_replaced_after_a_trace_is_traced_again(x64, how, wrap):
+    """NOTE [a forward replaced after a trace]: the graph kept replaying a
+    torch.nn submodule's old forward after lin.forward = ... (LoRA-style)
+    or nn.Tanh.forward = ..., value and gradient stale, no warning; eager
+    calls ran the new one."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    net = net.to(TORCH_DEVICE)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 3)))
+    own = {k: v.detach() for k, v in net.named_parameters()}
+
+    def loss(p):
+        return (torch.func.functional_call(net, p, (to_torch(x),)) ** 2).sum()
+
+    if wrap == "jaxify":  # the gradient with respect to the input
+        value_and_grad = jax.value_and_grad(t2j_ad.jaxify(lambda z: (net(z) ** 2).sum(), compile="graph"))
+        argument = x
+    else:  # with respect to the parameters
+        apply, argument = t2j_ad.jaxify_module(net, compile="graph")
+        value_and_grad = jax.value_and_grad(lambda p: (apply(p, x) ** 2).sum())
+    value_and_grad(argument)
+    put_back = _replace_forward(how, net)
+    try:
+        value, grad = value_and_grad(argument)
+        if wrap == "jaxify":
+            expected_grad, expected_value = torch.func.grad_and_value(lambda z: (net(z) ** 2).sum())(to_torch(x))
+            expected_grad = to_numpy(expected_grad)
+        else:
+            expected_grad, expected_value = torch.func.grad_and_value(loss)(own)
+            expected_grad = {k: jnp.asarray(to_numpy(v)) for k, v in expected_grad.items()}
+    finally:
+        put_back()
+    np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
+    assert_tree_allclose(grad, expected_grad, rtol=1e-10, atol=1e-12)
+
+
 class _LerpedBuffer(torch.nn.Module):
     """Updates a buffer with lerp_ and a tensor weight, under no_grad."""
 

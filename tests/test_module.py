@@ -603,6 +603,76 @@ def test_a_hook_added_after_a_call_is_seen_by_derivatives(x64, where, compile):
         handle.remove()
 
 
+def _doubling_hook(module, args, output):
+    return output * 2
+
+
+def _doubling_pre_hook(module, args):
+    return (args[0] * 2,)
+
+
+def _add_doubling_hook(where, lin):
+    if where == "forward":
+        return lin.register_forward_hook(_doubling_hook)
+    if where == "forward_pre":
+        return lin.register_forward_pre_hook(_doubling_pre_hook)
+    return torch.nn.modules.module.register_module_forward_hook(_doubling_hook)
+
+
+@pytest.mark.parametrize("where", ["forward", "forward_pre", "every_module"])
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_hook_removed_after_a_call_is_seen_by_the_value_and_its_derivatives(x64, where, compile):
+    """NOTE [a hook removed after a call]: in graph mode the plain call's
+    graph, traced with the hook, kept running it after handle.remove(),
+    while the gradient was traced afresh without it: jax.value_and_grad gave
+    the value and the gradient of two different functions, silently."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double().to(TORCH_DEVICE)
+
+    def loss(x):
+        return (net(x) ** 2).sum()
+
+    f = t2j_ad.jaxify(loss, compile=compile)
+    x = jnp.array([0.3, -1.2, 0.7])
+    handle = _add_doubling_hook(where, net[2])
+    try:
+        f(x)
+        f(x)
+    finally:
+        handle.remove()
+    value, grad = jax.value_and_grad(f)(x)
+    expected_grad, expected_value = torch.func.grad_and_value(loss)(to_torch(x))
+    np.testing.assert_allclose(f(x), expected_value.item(), rtol=1e-12)
+    np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
+    np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_builtin_submodules_forward_replaced_by_one_that_draws_is_seen_by_derivatives(x64, compile):
+    """NOTE [a forward replaced after a trace]: a LoRA-style forward set on
+    a torch.nn Linear after the first call, with dropout, kept the effects
+    learnt without it: jax.value_and_grad took the gradient through another
+    mask than its value's (and in graph mode the value kept the old graph)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)).double().to(TORCH_DEVICE)
+
+    def loss(x):
+        return (net(x) ** 2).sum()
+
+    value_and_grad = jax.value_and_grad(t2j_ad.jaxify(loss, compile=compile))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 4)))
+    value_and_grad(x)
+    lin = net[0]
+    lin.forward = lambda z: nn.functional.dropout(nn.functional.linear(z, lin.weight, lin.bias), 0.5, training=True)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        value, grad = value_and_grad(x)
+        torch.manual_seed(seed)
+        expected_grad, expected_value = torch.func.grad_and_value(loss)(to_torch(x))
+        np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
+        np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10, atol=1e-12)
+
+
 class _Counted(nn.Module):
     def __init__(self):
         super().__init__()

@@ -644,6 +644,37 @@ def test_a_hook_a_forward_installs_once_is_installed_once(x64, compile):
     assert len(net.lin._forward_hooks) == 1 and net.hooked
 
 
+class _KeepsDictsNamedHooks(torch.nn.Module):
+    """Keeps dicts of its own whose names hold "hooks", keyed by ints: a
+    handle by the id of the module it watches, callbacks by step number."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        self.monitor_hooks = {id(self.lin): self.lin.register_forward_hook(lambda module, args, output: None)}
+        self.step_hooks = {1000: print, 2000: print}
+        self.lin.step_hooks = {10**9: print}
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)).sum()
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_modules_own_dicts_named_hooks_are_left_alone_by_trial_runs(x64, compile):
+    """NOTE [only PyTorch's hook tables]: every trial run deleted from each
+    dict attribute whose name held "hooks" the int keys at or above the
+    next hook's number, so the user's own dicts came back empty from the
+    first call."""
+    torch.manual_seed(0)
+    net = _KeepsDictsNamedHooks().double().to(TORCH_DEVICE)
+    monitor, steps, lin_steps = dict(net.monitor_hooks), dict(net.step_hooks), dict(net.lin.step_hooks)
+    f = t2j_ad.jaxify(lambda x: net(x), compile=compile)
+    x = jnp.array([0.3, -1.2, 0.7], dtype=jnp.float64)
+    np.testing.assert_allclose(f(x), net(to_torch(x)).item(), rtol=1e-12)
+    assert net.monitor_hooks == monitor and net.step_hooks == steps and net.lin.step_hooks == lin_steps
+    assert len(net.lin._forward_hooks) == 1
+
+
 def _foreach_update(ema):
     torch._foreach_add_([ema], 1.0)
 
