@@ -22,6 +22,17 @@ compare per call otherwise. Deleting an attribute (``del model.drop``)
 registers nothing and is not seen; neither is a Python flag the function
 reads.
 
+NOTE [a submodule switched by name]
+A module may hold one of its submodules under a second name and switch it
+(``self.active = self.heads[1]``, ``self.act = self.drop if self.noisy
+else self.ident``): assigning a module registers it, so the count moves,
+but ``modules()`` yields each module once, so the walk found the same
+modules and took nothing for changed: a graph kept the old head, and
+eager derivatives drew where the value had not. So the structure holds
+each module's children by name too. The global hooks are part of it even
+for a function that names no module (one that makes its module inside,
+or reaches it two objects down), since they run on every module.
+
 NOTE [a hook added after a call]
 A module hook is part of what the module does: a forward hook that applies
 dropout to the output, or updates a running statistic, registered after the
@@ -88,15 +99,16 @@ def _submodules(modules: Sequence[Any]) -> list[Any]:
 
 def _structure(modules: Sequence[Any]) -> tuple[Any, ...]:
     """Each submodule of ``modules`` (by identity) with the names of its
-    parameters and buffers, in order, and its hooks; and the global hooks."""
-    if not modules:
-        return ()
+    parameters and buffers, in order, each of its children by name (NOTE [a
+    submodule switched by name]), and its hooks; and the global hooks, which
+    reach modules the function makes or does not name too."""
     return (
         *(
             (
                 id(sub),
                 tuple(sub._parameters.keys()),
                 tuple(sub._buffers.keys()),
+                tuple((name, id(child)) for name, child in sub._modules.items()),
                 user_hook_ids(sub),
             )
             for sub in _submodules(modules)
@@ -123,7 +135,7 @@ class StructureSeen:
         self._registered = _registrations()
         self._structure = _structure(self._modules)
         # NOTE [a hook removed after a call]
-        self._hooks = user_hook_places(_submodules(self._modules)) if self._modules else ()
+        self._hooks = user_hook_places(_submodules(self._modules))
         self._bindings = bindings
 
     def now(self) -> tuple[Any, ...]:
@@ -159,7 +171,7 @@ class StructureSeen:
         if self._hooks and not hooks_still_in_place(self._hooks):  # NOTE [a hook removed after a call]
             return False
         registered = _registrations()
-        if registered == self._registered or not self._modules:
+        if registered == self._registered:
             return True
         if _structure(self._modules) != self._structure:
             return False

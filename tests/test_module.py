@@ -848,3 +848,56 @@ def test_a_closed_over_module_cast_after_a_call_names_the_cast_and_the_fix(x64):
     got = f(x)
     assert got.dtype == jnp.float64
     np.testing.assert_allclose(got, to_numpy(fn(to_torch(x)).detach()), rtol=1e-12)
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_global_hook_added_after_a_call_is_seen_where_the_function_names_no_module(x64, compile):
+    """A function that makes its module inside (it names none): a global
+    hook that draws, added after its first call, went unseen, since only the
+    modules a function names were compared: value_and_grad took two masks
+    (NOTE [a submodule switched by name], the tenth fuzzing pass)."""
+
+    def loss(x):
+        return (nn.Identity()(x) ** 2).sum()
+
+    value_and_grad = jax.value_and_grad(t2j_ad.jaxify(loss, compile=compile))
+    x = jnp.linspace(-1.0, 1.0, 40)
+    value_and_grad(x)
+    handle = torch.nn.modules.module.register_module_forward_hook(_dropout_hook)
+    try:
+        torch.manual_seed(3)
+        value, grad = value_and_grad(x)
+        torch.manual_seed(3)
+        expected_grad, expected_value = torch.func.grad_and_value(loss)(to_torch(x))
+        np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
+        np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10, atol=1e-12)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_submodule_switched_by_name_between_registered_modules_is_seen(x64, compile):
+    """``net.active = net.heads[1]``: both heads were registered already, and
+    the walk of ``modules()``, which yields each module once, found nothing
+    changed, so a graph kept the first head (NOTE [a submodule switched by
+    name], the tenth fuzzing pass)."""
+    torch.manual_seed(0)
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = nn.ModuleList([nn.Linear(3, 2), nn.Linear(3, 2)])
+            self.active = self.heads[0]
+
+        def forward(self, x):
+            return self.active(x)
+
+    net = Heads().double().to(TORCH_DEVICE)
+    f = t2j_ad.jaxify(lambda x: (net(x) ** 2).sum(), compile=compile)
+    x = jnp.arange(3.0)
+    f(x)
+    jax.grad(f)(x)
+    net.active = net.heads[1]
+    expected_grad, expected_value = torch.func.grad_and_value(lambda x: (net(x) ** 2).sum())(to_torch(x))
+    np.testing.assert_allclose(f(x), expected_value.item(), rtol=1e-12)
+    np.testing.assert_allclose(jax.grad(f)(x), to_numpy(expected_grad), rtol=1e-12)
