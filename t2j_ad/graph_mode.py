@@ -351,7 +351,11 @@ def trace(
 
     def run() -> torch.fx.GraphModule:
         # NOTE [trial runs do not write to real tensors]
-        with torch.autograd.set_grad_enabled(grad_enabled), trial_run(dicts, modules) as attributes:
+        # A hook the trace ran that removes itself stays removed: the graph
+        # holds its ops, and its first run is the function's first call
+        # (NOTE [hooks a trial run registers] in module_hooks.py).
+        trial = trial_run(dicts, modules, put_back_removed=False)
+        with torch.autograd.set_grad_enabled(grad_enabled), trial as attributes:
             # _allow_non_fake_inputs: tensors the function closes over (module
             # buffers) become graph constants, held by reference; their values
             # stay out of Python (NOTE [values a graph would keep]). NOTE

@@ -28,6 +28,18 @@ hooks with keyword arguments, always-called hooks and state-dict hooks
 included. A hook another thread registers on one of those modules while a
 trial run is on is removed too; a hook on a tensor is not.
 
+A hook that removes itself (a one-shot initialization: a forward-pre hook
+that sets a scale from the first batch, then ``handle.remove()``) ran in
+the trial run on zeros, which put its write back but not its removal: no
+real call ran it, and the scale stayed at its initial value. So a trial
+run also puts back, as it ends, the hooks it removed from the modules the
+function refers to and from the global tables (``hook_tables_kept``), in
+their order; the first real call runs such a hook, as PyTorch's first
+call would. A graph-mode trace does not put them back: the graph holds
+the hook's ops, and its first run is the function's first call, so the
+hook is gone after it, as after PyTorch's, and the next call, finding it
+gone (NOTE [a hook removed after a call]), traces again without it.
+
 NOTE [only PyTorch's hook tables]
 The tables a trial run removes hooks from were first found by name: every
 dict attribute of a module whose name held "hooks". A module of the user's
@@ -106,6 +118,24 @@ def remove_hooks_since(first: int, modules: Iterable[torch.nn.Module]) -> None:
         for table in _every_table(module):
             for key in [k for k in table if type(k) is int and k >= first and k not in _ids_now]:
                 del table[key]
+
+
+def hook_tables_kept(modules: Iterable[torch.nn.Module]) -> list[tuple[dict[Any, Any], dict[Any, Any]]]:
+    """Each table of hooks ``modules`` and the global tables hold that has
+    one, with a copy of it: what ``put_back_removed_hooks`` puts back (NOTE
+    [hooks a trial run registers])."""
+    return [(table, dict(table)) for module in (*modules, None) for table in _every_table(module) if table]
+
+
+def put_back_removed_hooks(kept: Iterable[tuple[dict[Any, Any], dict[Any, Any]]]) -> None:
+    """Put back in each table the hooks removed since ``hook_tables_kept``
+    copied it, in their order, before those added since."""
+    for table, saved in kept:
+        if saved.keys() - table.keys():
+            added = [(key, value) for key, value in table.items() if key not in saved]
+            table.clear()
+            table.update(saved)
+            table.update(added)
 
 
 def _where_tables_are(module: torch.nn.Module | None) -> tuple[dict[str, Any], tuple[str, ...]]:

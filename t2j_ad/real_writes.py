@@ -55,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # private: see the NOTE
 
 from .module_locks import acquire, in_lock_order, release
-from .module_hooks import hooks_numbered, own_global_hooks, remove_hooks_since
+from .module_hooks import hook_tables_kept, hooks_numbered, own_global_hooks, put_back_removed_hooks, remove_hooks_since
 from .random_state import random_state_kept
 from .state_writes import StateWrites, bound_by_a_replay, memory_of
 from .trial_caches import CachesKept, changed_entries, parametrize_cache, put_back
@@ -672,7 +672,9 @@ def one_trial_run() -> threading.RLock:
 
 
 @contextlib.contextmanager
-def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()) -> Iterator[TrialRun]:
+def trial_run(
+    dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = (), put_back_removed: bool = True
+) -> Iterator[TrialRun]:
     """A run of the user's function made only to learn something: the real
     tensors it closes over, the attributes of the modules it runs, the
     tensors in ``dicts`` and in those modules' dicts (its caches), the
@@ -681,13 +683,16 @@ def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()
     write to real tensors], NOTE [random state in trial runs], NOTE [trial
     runs leave caches as they found them], NOTE [elements swapped through
     .data]); yields what records the attributes it rebound and the state it
-    wrote. One at a time in the process (NOTE [one trial run at a time])."""
+    wrote. One at a time in the process (NOTE [one trial run at a time]).
+    With ``put_back_removed``, the hooks of ``modules`` (and the global ones)
+    it removed are put back too (NOTE [hooks a trial run registers])."""
     with _one_trial_run, _in_trial_run(), _data_swaps_undone():
         under = list(dict.fromkeys(sub for module in modules for sub in module.modules()))
         locks = in_lock_order(m for m in under if m._parameters or m._buffers)
         acquire(locks)
         caches = CachesKept()
         first_hook = hooks_numbered()
+        hooks = hook_tables_kept(under) if put_back_removed else []
         kept = ModuleAttributesKept(caches, under)
         try:
             caches.note([*dicts, parametrize_cache()])
@@ -699,4 +704,5 @@ def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()
             caches.take_back()
             # NOTE [hooks a trial run registers] in module_hooks.py
             remove_hooks_since(first_hook, [*under, *kept.seen_modules.values()])
+            put_back_removed_hooks(hooks)
             release(locks)

@@ -1290,3 +1290,38 @@ def test_a_closed_over_accumulator_rebound_through_data_counts_real_calls_only(m
             assert_tree_allclose(f(jnp.ones(3, jnp.float32)), np.full(3, float(step), np.float32))
     assert buf.device == TORCH_DEVICE and not buf.is_meta
     assert_tree_allclose(to_numpy(buf), np.full(3, 3.0, np.float32))
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_hook_that_removes_itself_runs_in_the_first_real_call(mode):
+    """A one-shot forward-pre hook (a scale set from the first batch, then
+    ``handle.remove()``) ran only in the trial run on zeros, which put back
+    its write and not its removal: no real call set the scale (tenth fuzzing
+    pass). Held against the same module run by PyTorch."""
+
+    def made():
+        torch.manual_seed(0)
+        module = torch.nn.Linear(3, 3).to(TORCH_DEVICE)
+        module.register_buffer("scale", torch.ones(3, device=TORCH_DEVICE))
+        handle = {}
+
+        def init(mod, args):
+            with torch.no_grad():
+                mod.scale.copy_(1.0 / (args[0].std(0) + 1e-6))
+            handle["h"].remove()
+
+        handle["h"] = module.register_forward_pre_hook(init)
+        return module
+
+    module, reference = made(), made()
+    f = t2j_ad.jaxify(lambda x: module(x * module.scale), compile=mode)
+    batches = [np.random.default_rng(k).normal(size=(16, 3)).astype(np.float32) * 3 for k in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", t2j_ad.FallbackWarning)
+        for batch in batches:
+            got = f(jnp.asarray(batch))
+            with torch.no_grad():
+                expected = reference(torch.from_numpy(batch).to(TORCH_DEVICE) * reference.scale)
+            np.testing.assert_allclose(np.asarray(got), to_numpy(expected), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(module.scale, reference.scale)
+    assert len(module._forward_pre_hooks) == 0
