@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from .jax_in_traces import note_jax_inside
+
 # The dtypes t2j_ad carries across the boundary. Anything else is refused with
 # an error rather than silently cast (DESIGN.md, "Contract for bad input").
 _PAIRS = [
@@ -195,6 +197,7 @@ def j2t(x: Any) -> torch.Tensor:
     _refuse_float0(x)
     x, _ = single_device(x)
     torch_dtype(x.dtype)  # refuse unsupported dtypes with our message
+    note_jax_inside("converts a JAX array to a tensor (t2j_ad.tree_j2t)")  # NOTE [JAX inside a trace]
     return torch.from_dlpack(x)
 
 
@@ -204,6 +207,7 @@ def copy_to_torch(x: Any) -> torch.Tensor:
     _refuse_float0(x)
     x, device = single_device(x)
     dtype = torch_dtype(x.dtype)
+    note_jax_inside("copies a JAX array to a tensor (t2j_ad.compat's j2t)")  # NOTE [JAX inside a trace]
     value = np.array(x)
     if _numpy_lacks(dtype):
         host = torch.from_numpy(value.view(_SAME_WIDTH_INT[dtype.itemsize][0])).view(dtype)

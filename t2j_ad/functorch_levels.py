@@ -48,6 +48,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.func
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 from .env_switch import env_switch
 
@@ -260,6 +262,44 @@ def outside_transforms() -> contextlib.AbstractContextManager[None]:
     level (a wrapped tensor has no storage to read bytes from)."""
     disable = getattr(torch._C, "_DisableFuncTorch", None)  # private
     return disable() if disable is not None else contextlib.nullcontext()
+
+
+# Whether this thread is inside a torch.func transform: one C check per call
+# (40 ns), made by every runner call (NOTE [a call inside torch.func
+# transforms]). Private; a PyTorch without it has no levels to leave.
+functorch_levels_open: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+class _OuterWrappersRefused(TorchFunctionMode):
+    """Raises ``refusal()`` at an op, made outside every ``torch.func``
+    level, that takes a tensor one of them wrapped: a tensor of the levels
+    taken off the stack, whose derivative or batch the op would drop."""
+
+    def __init__(self, refusal: Callable[[], BaseException]) -> None:
+        super().__init__()
+        self._refusal = refusal
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if torch._C._functorch.peek_interpreter_stack() is None and any(  # private
+            isinstance(a, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(a)
+            for a in pytree.tree_leaves((args, kwargs))
+        ):
+            raise self._refusal()
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def outside_functorch_levels(refusal: Callable[[], BaseException]) -> Iterator[None]:
+    """Within the block, no ``torch.func`` level is open on this thread: the
+    levels around it are taken off functorch's stack, and put back, the same
+    objects, when it ends; an op outside any level that takes a tensor they
+    wrapped raises ``refusal()`` (NOTE [a call inside torch.func transforms]
+    in runtime.py)."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack  # private
+
+    with temporarily_clear_interpreter_stack(), _OuterWrappersRefused(refusal):
+        yield
 
 
 @contextlib.contextmanager

@@ -54,6 +54,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # private: see the NOTE
 
+from .jax_in_traces import CalledInsideTrace, note_jax_inside
 from .module_locks import acquire, in_lock_order, release
 from .module_hooks import hook_tables_kept, hooks_numbered, own_global_hooks, put_back_removed_hooks, remove_hooks_since
 from .random_state import random_state_kept
@@ -592,7 +593,11 @@ def outside_trial_runs() -> Iterator[None]:
     dispatch modes are off. A jaxify'd function called from inside another
     one's trial run (a PyTorch function that calls JAX) ran inside them: they
     took its copy into XLA's output buffer for a write to put back when the
-    run ended, after XLA had freed the buffer (glibc aborted the process)."""
+    run ended, after XLA had freed the buffer (glibc aborted the process).
+    A graph-mode trace around it is refused, and the call does not run
+    (NOTE [JAX inside a trace] in jax_in_traces.py)."""
+    if note_jax_inside("calls a jaxified function"):
+        raise CalledInsideTrace()
     depth, trial_running.depth = trial_running.depth, 0
     try:
         with _disable_current_modes():

@@ -21,7 +21,7 @@ import torch
 from . import graph_mode
 from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, on_another_device, torch_dtype
 from .cuda_streams import external_stream, run_on_stream
-from .functorch_levels import forward_ad_levels_kept
+from .functorch_levels import forward_ad_levels_kept, functorch_levels_open, outside_functorch_levels
 from .kept_inputs import CAN_MOVE, any_kept, kept_by_address, release_kept_inputs, unmovable_kept_input
 from .kept_inputs import references as kept_inputs_references
 from .malloc_tuning import tune_malloc
@@ -212,6 +212,7 @@ _set_grad_enabled = torch._C._set_grad_enabled
 _any_autocast = torch._C._is_any_autocast_enabled
 _no_autocast = torch._C._DisableAutocast
 _in_inference_mode = torch.is_inference_mode_enabled
+_functorch_levels_open = functorch_levels_open
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -362,6 +363,9 @@ class _Runner:
             return
         if _in_inference_mode():
             self._outside_inference_mode(inputs, outputs, stream)
+            return
+        if _functorch_levels_open():
+            self._outside_functorch_levels(inputs, outputs, stream)
             return
         if stream:
             self._on_stream(inputs, outputs, stream)
@@ -689,6 +693,45 @@ class _Runner:
             f"JAX knows when it traces. So it reads Python state that changed since its first call: a module it runs "
             f"cast to another dtype or given parameters of another shape (model.double(), w.data = ...), or a "
             f"global size set again; call t2j_ad.clear_caches() after such a change" + (f".{hint.rstrip('.')}" if hint else "")
+        )
+
+    def _outside_functorch_levels(
+        self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int
+    ) -> None:
+        """NOTE [a call inside torch.func transforms]
+        A PyTorch function may call JAX (``tree_j2t(inner(...))``) inside a
+        ``torch.func`` transform: ``torch.func.grad`` in the user's code, or
+        the derivative t2j_ad builds when JAX differentiates an outer
+        jaxified function. XLA runs the nested call on that thread, inside
+        the transform's levels, so functorch took the runner's ``copy_`` of
+        the result into XLA's output buffer for a write into a tensor the
+        transform captured and refused it, and the outer derivative blamed
+        the outer function for a state write it never made. To PyTorch a
+        JAX result is a constant, as that of a jitted pure-JAX function in
+        the same place is (which worked): its derivative is zero. So the
+        call runs outside the levels, as a call of its own, and they are
+        put back after it (NOTE [calls run without the caller's autocast]
+        is the same rule for autocast). A tensor the nested function reads
+        from the transform (a module's parameter the outer call bound, under
+        its levels' wrappers) would need a derivative through JAX that
+        PyTorch cannot take (outside the levels, functorch reads such a
+        tensor as a plain one: a gradient of zero, silently), so an op on
+        one is refused, naming the function."""
+        with outside_functorch_levels(self._differentiated_inside):
+            self(inputs, outputs, stream)
+
+    def _differentiated_inside(self) -> TorchCallError:
+        """The error for a nested call that reads a tensor a ``torch.func``
+        transform around it differentiates or batches (NOTE [a call inside
+        torch.func transforms])."""
+        return TorchCallError(
+            f"{self.name} is a jaxified function called inside a torch.func transform (torch.func.grad or "
+            f"torch.vmap, or the derivative of an outer jaxified function that JAX differentiates), and it reads a "
+            f"tensor that transform differentiates or batches (one the outer function computed, or a module "
+            f"parameter it bound). PyTorch cannot differentiate or batch through a JAX computation: to PyTorch "
+            f"its result is a constant. Jaxify the whole computation as one PyTorch function instead of calling "
+            f"a jaxified function from inside it, or pass what it reads as an input (t2j_ad.tree_t2j(w.detach())) "
+            f"if a constant is meant."
         )
 
     def _outside_inference_mode(

@@ -56,6 +56,7 @@ from torch._subclasses.fake_tensor import (  # private: fake or functorch-wrappe
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode  # private, as in real_writes.py
 
+from .jax_in_traces import noting_jax_inside
 from .random_state import SeedWatch
 from .real_writes import sets_data
 
@@ -261,15 +262,31 @@ class _PythonReadRefuser(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _jax_inside(what: str) -> NotTraceable:
+    return NotTraceable(
+        f"it {what}: a JAX computation, which PyTorch's tracer cannot see into, so the graph would keep its "
+        f"result from the trace as a constant; jaxify the whole computation as one PyTorch function to keep a graph"
+    )
+
+
 def refusing_closed_over_reads(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn``, where a read of a closed-over tensor's value raises
     ``NotTraceable``, and so does its return after any read it caught
-    (NOTE [values a graph would keep]): what ``make_fx`` traces."""
+    (NOTE [values a graph would keep]), or after a JAX call or conversion
+    (NOTE [JAX inside a trace] in jax_in_traces.py): what ``make_fx``
+    traces."""
 
     def traced(*args: Any) -> Any:
         noted: list[NotTraceable] = []
-        with _PythonReadRefuser(noted), _ClosedOverFollower(noted):
-            result = fn(*args)
+        with noting_jax_inside() as jax_inside, _PythonReadRefuser(noted), _ClosedOverFollower(noted):
+            try:
+                result = fn(*args)
+            except Exception:
+                if jax_inside:  # NOTE [JAX inside a trace] in jax_in_traces.py: the call raised
+                    raise _jax_inside(jax_inside[0]) from None
+                raise
+        if jax_inside:
+            noted.append(_jax_inside(jax_inside[0]))
         if noted:
             raise noted[0]
         return result

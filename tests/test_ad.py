@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import assert_tree_allclose
+from conftest import assert_tree_allclose, to_numpy, to_torch
 from jax.experimental.ode import odeint
 
 import t2j_ad
@@ -721,3 +721,113 @@ def test_detached_input_gives_zero_gradient():
         np.testing.assert_array_equal(results["grad"][0], np.zeros(3))
         np.testing.assert_array_equal(results["jacrev"][1][0], np.zeros((3, 3)))
 
+
+# -------------------------------------------- a jaxified function called inside
+
+
+_inner_sines = t2j_ad.jaxify(lambda v: torch.sin(v) * 2)
+_CONSTANT = jnp.linspace(0.5, 1.5, 3, dtype=jnp.float32)
+
+
+def _t_weighted_by_jax(x):
+    """A PyTorch function whose weights come from a jaxified function: a
+    constant to every transform around it."""
+    return (x**2 * t2j_ad.tree_j2t(_inner_sines(_CONSTANT)).to(x.device)).sum()
+
+
+def _t_weighted_reference(x):
+    return (x**2 * (torch.sin(to_torch(_CONSTANT)) * 2).to(x.device)).sum()
+
+
+def _j_weighted(x):
+    return (x**2 * jnp.sin(_CONSTANT) * 2).sum()
+
+
+@pytest.mark.parametrize(
+    "outer",
+    [
+        "torch.func.grad",
+        "torch.vmap(torch.func.grad)",
+        "jax.grad",
+        "jax.jit(jax.grad)",
+        "jax.hessian",
+    ],
+)
+def test_a_jaxified_function_called_inside_a_derivative_is_a_constant_there(outer):
+    """A jaxified function called inside a torch.func transform (the user's
+    torch.func.grad, or the derivative of an outer jaxified function JAX
+    differentiates) ran inside its levels: functorch refused the runner's
+    copy into XLA's output buffer as a write into a captured tensor, and the
+    outer derivative blamed the outer function for "writes in place into a
+    tensor it keeps between calls". A jitted pure-JAX function in the same
+    place worked (NOTE [a call inside torch.func transforms])."""
+    x = jnp.asarray([1.0, -2.0, 3.0], jnp.float32)
+    if outer.startswith("torch"):
+        transform = {
+            "torch.func.grad": torch.func.grad,
+            "torch.vmap(torch.func.grad)": lambda f: torch.vmap(torch.func.grad(f)),
+        }[outer]
+        xs = to_torch(x) if outer == "torch.func.grad" else to_torch(jnp.stack([x, 2 * x]))
+        got = transform(_t_weighted_by_jax)(xs)
+        assert_tree_allclose(to_numpy(got), to_numpy(transform(_t_weighted_reference)(xs)))
+        return
+    transform = {
+        "jax.grad": jax.grad,
+        "jax.jit(jax.grad)": lambda f: jax.jit(jax.grad(f)),
+        "jax.hessian": jax.hessian,
+    }[outer]
+    assert_tree_allclose(transform(t2j_ad.jaxify(_t_weighted_by_jax))(x), transform(_j_weighted)(x))
+
+
+class _OuterWithJaxInside(torch.nn.Module):
+    """A module whose forward calls a jaxified closure over its own submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.sub = torch.nn.Linear(3, 3)
+        self.inner = t2j_ad.jaxify(lambda v: self.sub(v))
+
+    def forward(self, x):
+        return self.lin(x) + t2j_ad.tree_j2t(self.inner(jnp.ones((4, 3), jnp.float32))).sum()
+
+
+_HELD: dict[str, torch.Tensor] = {}
+_inner_reading_held = t2j_ad.jaxify(lambda v: v * _HELD["w"])
+
+
+def _t_jax_reads_the_differentiated_tensor(w):
+    _HELD["w"] = w
+    return (w * t2j_ad.tree_j2t(_inner_reading_held(jnp.ones(3, jnp.float32)))).sum()
+
+
+def _module_gradient() -> dict:
+    torch.manual_seed(0)
+    apply, params = t2j_ad.jaxify_module(_OuterWithJaxInside())
+    return jax.grad(lambda p: apply(p, jnp.ones((1, 3), jnp.float32)).sum())(params)
+
+
+@pytest.mark.parametrize(
+    "outer",
+    [
+        lambda: torch.func.grad(_t_jax_reads_the_differentiated_tensor)(torch.tensor([1.0, 2.0, 3.0])),
+        lambda: torch.vmap(_t_jax_reads_the_differentiated_tensor)(torch.ones(2, 3)),
+        lambda: jax.grad(t2j_ad.jaxify(_t_jax_reads_the_differentiated_tensor))(jnp.array([1.0, 2.0, 3.0])),
+        _module_gradient,
+    ],
+    ids=["torch.func.grad", "torch.vmap", "jax.grad", "jax.grad of jaxify_module"],
+)
+def test_a_jaxified_function_reading_what_a_transform_around_it_maps_is_refused_by_name(outer):
+    """A nested jaxified function that reads a tensor the transform around it
+    differentiates or batches (w itself; a parameter jaxify_module bound into
+    the submodule it closes over) cannot be differentiated through JAX. Run
+    inside the levels it failed with the captured-write message (blaming a
+    state write); run outside them, functorch read the wrapped tensor as a
+    plain one, a gradient of zero where torch.func.grad of w * w gives 2 w.
+    It must fail, naming the function and the fix."""
+    with pytest.raises((jax.errors.JaxRuntimeError, ValueError, t2j_ad.TorchCallError)) as err:
+        outer()
+    text = str(err.value)
+    assert "PyTorch cannot differentiate or batch through a JAX computation" in text, text[-2000:]
+    assert "Jaxify the whole computation" in text and "<lambda> is a jaxified function" in text
+    assert "writes in place into a tensor it keeps" not in text

@@ -473,6 +473,76 @@ def test_buffers_are_held_by_reference_as_in_eager():
         assert_tree_allclose(f(params, x), x + 5.0)
 
 
+@pytest.mark.parametrize("inner_mode", ["eager", "graph"])
+def test_a_function_that_calls_a_jaxified_function_runs_eagerly_and_sees_updates(inner_mode):
+    """make_fx cannot see into a nested jaxified call: it ran at trace time
+    and the graph kept its result as a constant, stale after the weight it
+    reads was updated in place (which graph mode follows for tensors a
+    function closes over), with no warning (NOTE [JAX inside a trace])."""
+    other = torch.nn.Linear(3, 3).to(TORCH_DEVICE)
+    inner = t2j_ad.jaxify(lambda v: other(v), compile=inner_mode)
+    ones = jnp.ones(3, jnp.float32)
+    f = t2j_ad.jaxify(lambda x: x + t2j_ad.tree_j2t(inner(ones)), compile="graph")
+    x = jnp.arange(3.0, dtype=jnp.float32)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert_tree_allclose(f(x), to_numpy(to_torch(x) + other(to_torch(ones))))
+            with torch.no_grad():
+                other.weight.add_(1.0)
+    messages = _compile_warnings(record)
+    assert len(messages) == 1 and "calls a jaxified function" in messages[0], messages
+
+
+class _OuterWithJaxInside(torch.nn.Module):
+    """A module whose forward calls a jaxified closure over its own submodule."""
+
+    def __init__(self, inner_mode: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.sub = torch.nn.Linear(3, 3)
+        self.inner = t2j_ad.jaxify(lambda v: self.sub(v), compile=inner_mode)
+
+    def forward(self, x):
+        return self.lin(x) + t2j_ad.tree_j2t(self.inner(jnp.ones((4, 3), jnp.float32))).sum()
+
+
+@pytest.mark.parametrize("inner_mode", ["eager", "graph"])
+def test_a_module_calling_a_jaxified_closure_over_its_own_submodule_runs_eagerly(inner_mode):
+    """Inside jaxify_module(compile="graph")'s trace the module holds
+    stand-ins for its parameters, so a nested jaxified closure over one of
+    its own submodules computed from them, and the graph kept the garbage
+    (NaN, 1e15) for good, with no warning (NOTE [JAX inside a trace])."""
+    torch.manual_seed(0)
+    outer = _OuterWithJaxInside(inner_mode).to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(
+        outer, compile="graph", output_shapes=jax.ShapeDtypeStruct((1, 3), jnp.float32)
+    )
+    x = jnp.ones((1, 3), jnp.float32)
+    with torch.no_grad():
+        expected = to_numpy(outer.lin(to_torch(x)) + outer.sub(torch.ones(4, 3, device=TORCH_DEVICE)).sum())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert_tree_allclose(apply(params, x), expected)
+    messages = _compile_warnings(record)  # the nested function's own trace is not refused: it ran on no stand-ins
+    assert len(messages) == 1 and "Outer" in messages[0] and "calls a jaxified function" in messages[0], messages
+
+
+def test_a_function_that_converts_a_jax_array_runs_eagerly():
+    """A JAX computation's result converted with tree_j2t is a constant the
+    graph would keep from the trace (NOTE [JAX inside a trace]); the
+    function runs eagerly, with the reason."""
+    doubled = jnp.arange(3.0, dtype=jnp.float32) * 2
+    f = t2j_ad.jaxify(lambda x: x + t2j_ad.tree_j2t(doubled + 0).to(x.device), compile="graph")
+    x = jnp.ones(3, jnp.float32)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert_tree_allclose(f(x), x + jnp.arange(3.0) * 2)
+    messages = _compile_warnings(record)
+    assert len(messages) == 1 and "converts a JAX array to a tensor" in messages[0], messages
+
+
 def test_buffers_a_module_updates_are_updated_once_per_call_as_in_pytorch():
     # NOTE [trial runs do not write to real tensors]: the trace used to add
     # 1 to num_batches_tracked for real.

@@ -141,8 +141,20 @@ def _refuse_unseen_write(base: Any, err: BaseException) -> None:
 _WRONG_DOUBLE_BACKWARD = ("sparse", "_weight_norm_interface")
 
 
+# The first line of the error a jaxified function called inside this one
+# raises when its own PyTorch call fails: the FFI backend's
+# (csrc/torch_call.cc), the callback backend's (JAX's). That failure is the
+# inner function's, and so is any PyTorch refusal its text quotes: no
+# transform of this function was refused (NOTE [a call inside torch.func
+# transforms] in runtime.py). Quoting a captured-tensor write, it blamed this
+# function for a state write it never made.
+_NESTED_CALL_FAILED = ("t2j_ad: PyTorch call (key", "Error when calling buffer callback")
+
+
 def _refused(err: BaseException, needles: Iterable[str]) -> bool:
     text = str(err)
+    if any(marker in first_line(err) for marker in _NESTED_CALL_FAILED):
+        return False
     if _NO_FORWARD_FORMULA in text and any(op in text for op in _WRONG_DOUBLE_BACKWARD):
         return False
     return isinstance(err, (RuntimeError, NotImplementedError)) and any(n in text for n in needles)
