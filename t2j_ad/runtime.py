@@ -497,10 +497,9 @@ class _Runner:
                             raise unmovable_kept_input()
 
     def _serialized(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
-        # NOTE [forward AD is process-wide]; a call about to trace takes the
-        # trial-run lock its trace takes first (NOTE [lock order]).
-        tracing = self.call == self._first_compiled_call
-        with one_trial_run() if tracing else contextlib.nullcontext(), _forward_ad_lock:
+        # NOTE [forward AD is process-wide]; the trial-run lock first, which
+        # its trace, or a call its function makes, takes (NOTE [lock order]).
+        with one_trial_run(), _forward_ad_lock:
             _forward_ad_held.held = True
             try:
                 with forward_ad_levels_kept():  # NOTE [an interrupt inside forward AD]
@@ -961,11 +960,17 @@ class _RunnerWithEffects(_RunnerWatchingNames):
 # process-wide]), a function's graph lock (held while its first compiled
 # call traces: graph_mode.artifact_for), then a module's own (NOTE [one
 # module, many threads]). A graph-mode trace takes the trial-run lock inside
-# the call that traces, so a call that takes any of the next three first
-# takes the trial-run lock: a keeping or replaying call, a plain call of a
-# function that draws, a forward-mode call that is about to trace, and
-# artifact_for itself. Taken the other way round, the first call of a random
-# function's value in graph mode (the effects lock, then the trace's
+# the call that traces, and so does a jaxify'd function called inside the
+# call's function (NOTE [calls made inside a module's forward] in
+# module.py), so a call that takes any of the others first takes the
+# trial-run lock: a keeping or replaying call, a plain call of a function
+# that draws, every forward-mode call, artifact_for itself, and every
+# jaxify_module call before its module's locks (a module call nesting a
+# first call, and a first call of a function closing over that module on
+# another thread, each waited for the other; then a forward-mode module
+# call, holding the forward-AD lock, and a forward-mode first call tracing
+# on another thread did). Taken the other way round, the first call of a
+# random function's value in graph mode (the effects lock, then the trace's
 # trial-run lock) and a batch-norm step on another thread (the trial-run
 # lock, then the effects lock) would each wait for the other; and a
 # forward-mode first call (the trial-run lock, then the graph lock) waited

@@ -147,3 +147,139 @@ def test_clear_caches_while_another_thread_calls():
         thread.join()
     assert not failures, failures[:2]
     assert calls[0] > 10
+
+
+def _run_both_or_fail(workers: list, seconds: float) -> None:
+    """Run each of ``workers`` on its own daemon thread, released together;
+    fail if any is still running after ``seconds`` (a deadlock) and re-raise
+    the first failure of any."""
+    import threading
+    import time
+
+    barrier = threading.Barrier(len(workers))
+    failures: list[BaseException] = []
+
+    def run(work) -> None:
+        try:
+            barrier.wait()
+            work()
+        except BaseException as err:  # noqa: BLE001 - re-raised below, in the test's thread
+            failures.append(err)
+
+    threads = [threading.Thread(target=run, args=(work,), daemon=True) for work in workers]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + seconds
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    alive = [k for k, t in enumerate(threads) if t.is_alive()]
+    assert not alive, f"threads {alive} still running after {seconds} s: a deadlock (NOTE [lock order])"
+    if failures:
+        raise failures[0]
+
+
+class _Nesting(torch.nn.Module):
+    """A module whose forward calls another jaxify'd function."""
+
+    def __init__(self, inner, make_input) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.inner, self.make_input = inner, make_input
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + t2j_ad.tree_j2t(self.inner(self.make_input())).sum()
+
+
+@pytest.mark.parametrize("inner_kind", ["new shape", "updates state"])
+def test_a_module_call_nesting_a_call_beside_a_first_call_of_a_function_closing_over_it(inner_kind):
+    # A jaxify_module call holds the module's locks while its forward runs; a
+    # jaxify'd function called inside took the trial-run lock (for its trial
+    # run on a new shape, or, updating state, to hold off trial runs), while a
+    # first call of a function closing over the module on another thread held
+    # the trial-run lock and waited for the module's: both hung, every run.
+    torch.manual_seed(0)
+    calls = 30
+    if inner_kind == "new shape":
+        step = [0]
+        inner = t2j_ad.jaxify(lambda v: v * 2)
+
+        def make_input() -> jax.Array:
+            step[0] += 1
+            return jnp.ones(step[0], jnp.float32)
+
+        nested_sums = [2.0 * n for n in range(1, calls + 1)]
+    else:
+        bn = torch.nn.BatchNorm1d(3).train()
+        inner = t2j_ad.jaxify(lambda v: bn(v))
+
+        def make_input() -> jax.Array:
+            return jnp.arange(12.0, dtype=jnp.float32).reshape(4, 3)  # made in the forward, as the module's own
+
+        inner(make_input())  # inferred before the threads
+        reference_bn = torch.nn.BatchNorm1d(3).train()
+        with torch.no_grad():
+            nested_sums = [float(reference_bn(torch.arange(12.0).reshape(4, 3)).sum()) for _ in range(calls)]
+    outer = _Nesting(inner, make_input)
+    apply, params = t2j_ad.jaxify_module(outer, output_shapes=jax.ShapeDtypeStruct((1, 3), jnp.float32))
+    closing_over = t2j_ad.jaxify(lambda x: outer.lin(x))
+    got_apply: list[np.ndarray] = []
+    got_closing: list[np.ndarray] = []
+
+    def module_calls() -> None:
+        for _ in range(calls):
+            got_apply.append(np.asarray(apply(params, jnp.ones((1, 3), jnp.float32))))
+
+    def first_calls() -> None:
+        for k in range(1, calls + 1):
+            got_closing.append(np.asarray(closing_over(jnp.ones((k, 3), jnp.float32))))
+
+    _run_both_or_fail([module_calls, first_calls], seconds=30)
+    with torch.no_grad():
+        linear = outer.lin(torch.ones(1, 3))
+        for k, got in enumerate(got_apply):
+            np.testing.assert_allclose(got, (linear + nested_sums[k]).numpy(), rtol=1e-5, atol=1e-5)
+        for k, got in enumerate(got_closing, start=1):
+            np.testing.assert_allclose(got, outer.lin(torch.ones(k, 3)).numpy(), rtol=1e-6)
+    if inner_kind == "updates state":
+        assert int(bn.num_batches_tracked) == calls + 1
+
+
+def test_forward_mode_module_calls_beside_forward_mode_first_calls_that_trace():
+    # A jaxify_module call takes the trial-run lock before its module's
+    # (NOTE [calls made inside a module's forward]); a forward-mode call that
+    # took the forward-AD lock without it (as those not about to trace did)
+    # then waited for it, while another thread's forward-mode first call in
+    # graph mode held it for its trace and waited for the forward-AD lock.
+    import threading
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 3)
+    apply, params = t2j_ad.jaxify_module(module)
+    x = jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(2, 3)
+    y = jnp.linspace(-1.0, 1.0, 5, dtype=jnp.float32)
+    got_module: list[np.ndarray] = []
+    got_traced: list[np.ndarray] = []
+    done = threading.Event()
+
+    def module_calls() -> None:
+        while not done.is_set():
+            got_module.append(np.asarray(jax.jvp(lambda x: apply(params, x), (x,), (x,))[1]))
+
+    def first_calls_that_trace() -> None:
+        try:
+            for _ in range(60):
+                traced = t2j_ad.jaxify(lambda y: torch.sin(y) * y, compile="graph")
+                got_traced.append(np.asarray(jax.jvp(traced, (y,), (y,))[1]))
+        finally:
+            done.set()
+
+    _run_both_or_fail([module_calls, first_calls_that_trace], seconds=60)
+    with torch.no_grad():
+        want_module = torch.from_numpy(np.asarray(x)) @ module.weight.T  # the tangent of a linear map
+    ty = torch.from_numpy(np.asarray(y))
+    _, want_traced = torch.func.jvp(lambda y: torch.sin(y) * y, (ty,), (ty,))
+    assert got_module and len(got_traced) == 60
+    for got in got_module:
+        np.testing.assert_allclose(got, want_module.numpy(), rtol=1e-5, atol=1e-6)
+    for got in got_traced:
+        np.testing.assert_allclose(got, want_traced.numpy(), rtol=1e-5, atol=1e-6)
