@@ -140,6 +140,21 @@ def _logged(log: list) -> np.ndarray:
     return np.stack([np.asarray(entry) for entry in log])
 
 
+def _logged_by_jaxify_module(keep, xs: np.ndarray, compile: str) -> _Logger:
+    """A ``_Logger`` of ``keep``, called through jaxify_module on each of
+    ``xs`` plus one under jax.jit, with same-sized JAX work after each call
+    (which reuses the input's buffer)."""
+    module = _Logger(keep)
+    apply, params = t2j_ad.jaxify_module(module, compile=compile)
+    step = jax.jit(lambda p, x: apply(p, x + 1.0))  # the input: a buffer of the jit, freed after it
+    for x in xs:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", t2j_ad.FallbackWarning)  # graph mode: NumPy needs real values
+            jax.block_until_ready(step(params, jnp.asarray(x)))
+        [jax.block_until_ready(jnp.full(64, -1.0) + 0) for _ in range(50)]  # same-sized work after it
+    return module
+
+
 @pytest.mark.parametrize("compile", ["eager", "graph"])
 @pytest.mark.parametrize("holder", list(_BY_ADDRESS))
 def test_an_input_kept_by_its_address_holds_its_value(holder, compile):
@@ -148,14 +163,7 @@ def test_an_input_kept_by_its_address_holds_its_value(holder, compile):
     for x in xs:
         reference(torch.tensor(x) + 1.0)
 
-    module = _Logger(_BY_ADDRESS[holder])
-    apply, params = t2j_ad.jaxify_module(module, compile=compile)
-    step = jax.jit(lambda p, x: apply(p, x + 1.0))  # the input: a buffer of the jit, freed after it
-    for x in xs:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", t2j_ad.FallbackWarning)  # graph mode: NumPy needs real values
-            jax.block_until_ready(step(params, jnp.asarray(x)))
-        [jax.block_until_ready(jnp.full(64, -1.0) + 0) for _ in range(50)]  # same-sized work after it
+    module = _logged_by_jaxify_module(_BY_ADDRESS[holder], xs, compile)
     np.testing.assert_array_equal(_logged(module.log[-5:]), _logged(reference.log))
 
     live = [jnp.full(64, 7.0) + k for k in range(50)]  # JAX arrays made after the calls
@@ -299,14 +307,7 @@ def test_an_input_kept_by_its_address_is_found_after_a_collection_during_the_cal
     for x in xs:
         reference(torch.tensor(x) + 1.0)
 
-    module = _Logger(keep)
-    apply, params = t2j_ad.jaxify_module(module, compile=compile)
-    step = jax.jit(lambda p, x: apply(p, x + 1.0))  # the input: a buffer of the jit, freed after it
-    for x in xs:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", t2j_ad.FallbackWarning)  # graph mode: NumPy needs real values
-            jax.block_until_ready(step(params, jnp.asarray(x)))
-        [jax.block_until_ready(jnp.full(64, -1.0) + 0) for _ in range(50)]  # same-sized work after it
+    module = _logged_by_jaxify_module(keep, xs, compile)
     np.testing.assert_array_equal(_logged(module.log[-5:]), _logged(reference.log))
 
 

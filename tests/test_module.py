@@ -560,12 +560,24 @@ def _dropout_pre_hook(module, args):
     return (nn.functional.dropout(args[0], 0.5, training=True),)
 
 
-def _add_hook(where, lin):
+def _assert_draws_as_torch_func(value_and_grad, loss, x):
+    """``value_and_grad(x)`` equals torch.func.grad_and_value of ``loss``,
+    each from the same seed, for two seeds: one mask for value and gradient."""
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        value, grad = value_and_grad(x)
+        torch.manual_seed(seed)
+        expected_grad, expected_value = torch.func.grad_and_value(loss)(to_torch(x))
+        np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
+        np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10, atol=1e-12)
+
+
+def _add_hook(where, lin, hook=_dropout_hook, pre_hook=_dropout_pre_hook):
     if where == "forward":
-        return lin.register_forward_hook(_dropout_hook)
+        return lin.register_forward_hook(hook)
     if where == "forward_pre":
-        return lin.register_forward_pre_hook(_dropout_pre_hook)
-    return torch.nn.modules.module.register_module_forward_hook(_dropout_hook)
+        return lin.register_forward_pre_hook(pre_hook)
+    return torch.nn.modules.module.register_module_forward_hook(hook)
 
 
 @pytest.mark.parametrize("where", ["forward", "forward_pre", "every_module"])
@@ -590,13 +602,7 @@ def test_a_hook_added_after_a_call_is_seen_by_derivatives(x64, where, compile):
     jitted(x)
     handle = _add_hook(where, lin)
     try:
-        for seed in (1, 2):
-            torch.manual_seed(seed)
-            value, grad = value_and_grad(x)
-            torch.manual_seed(seed)
-            expected_grad, expected_value = torch.func.grad_and_value(loss)(to_torch(x))
-            np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
-            np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10, atol=1e-12)
+        _assert_draws_as_torch_func(value_and_grad, loss, x)
         with pytest.raises(Exception, match="or a hook added, since jax.jit traced it"):
             jax.block_until_ready(jitted(x))
     finally:
@@ -612,11 +618,7 @@ def _doubling_pre_hook(module, args):
 
 
 def _add_doubling_hook(where, lin):
-    if where == "forward":
-        return lin.register_forward_hook(_doubling_hook)
-    if where == "forward_pre":
-        return lin.register_forward_pre_hook(_doubling_pre_hook)
-    return torch.nn.modules.module.register_module_forward_hook(_doubling_hook)
+    return _add_hook(where, lin, _doubling_hook, _doubling_pre_hook)
 
 
 @pytest.mark.parametrize("where", ["forward", "forward_pre", "every_module"])
@@ -664,13 +666,7 @@ def test_a_builtin_submodules_forward_replaced_by_one_that_draws_is_seen_by_deri
     value_and_grad(x)
     lin = net[0]
     lin.forward = lambda z: nn.functional.dropout(nn.functional.linear(z, lin.weight, lin.bias), 0.5, training=True)
-    for seed in (1, 2):
-        torch.manual_seed(seed)
-        value, grad = value_and_grad(x)
-        torch.manual_seed(seed)
-        expected_grad, expected_value = torch.func.grad_and_value(loss)(to_torch(x))
-        np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
-        np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10, atol=1e-12)
+    _assert_draws_as_torch_func(value_and_grad, loss, x)
 
 
 class _Counted(nn.Module):
