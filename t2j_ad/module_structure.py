@@ -29,7 +29,10 @@ else self.ident``): assigning a module registers it, so the count moves,
 but ``modules()`` yields each module once, so the walk found the same
 modules and took nothing for changed: a graph kept the old head, and
 eager derivatives drew where the value had not. So the structure holds
-each module's children by name too. The global hooks are part of it even
+each module's children by name too. A forward that switches the name
+itself, by a flag it reads, switches it in the value's call, after the
+derivative's rule was traced: that first ``value_and_grad`` after the flag
+changed is refused, and the next one is right. The global hooks are part of it even
 for a function that names no module (one that makes its module inside,
 or reaches it two objects down), since they run on every module.
 
