@@ -151,7 +151,14 @@ def _run(
         err = InputMutationError(mutation_message(name, mutated, where=" (seen while inferring its output shapes)"))
         err.mutated = tuple(mutated)
         raise err
-    effects = Effects(random_ops.seen, run.state_written(), modes.modes(), random_ops.seen and layouts.seen, random_ops.given)
+    effects = Effects(
+        random_ops.seen,
+        run.state_written(),
+        modes.modes(),
+        random_ops.seen and layouts.seen,
+        random_ops.given,
+        run.recomputed,
+    )
     return outputs, effects
 
 

@@ -57,6 +57,7 @@ and the like), and the dicts ``torch.nn.modules.module`` keeps under a
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -190,6 +191,35 @@ def user_hooks(modules: Iterable[torch.nn.Module]) -> list[Callable[..., Any]]:
         for key, hook in list(table.items())
         if key not in _ids_now
     ]
+
+
+@functools.cache
+def _recomputing_hook_types() -> tuple[tuple[type, str, str], ...]:
+    """PyTorch's reparametrizations by a forward pre-hook: each hook's type,
+    the attribute naming what it binds, and the utility that registers it
+    (NOTE [attributes PyTorch's hooks recompute] in real_writes.py)."""
+    from torch.nn.utils.prune import BasePruningMethod
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return (
+        (BasePruningMethod, "_tensor_name", "torch.nn.utils.prune"),
+        (WeightNorm, "name", "torch.nn.utils.weight_norm"),
+        (SpectralNorm, "name", "torch.nn.utils.spectral_norm"),
+    )
+
+
+def recomputing_hook(module: torch.nn.Module, name: str) -> str | None:
+    """The PyTorch utility whose forward pre-hook on ``module`` binds
+    ``module.name`` anew on every call, computed from the module's own
+    tensors (``torch.nn.utils.prune``'s ``weight = weight_orig *
+    weight_mask``), if one does; else None (NOTE [attributes PyTorch's hooks
+    recompute] in real_writes.py)."""
+    for hook in (getattr(module, "_forward_pre_hooks", None) or {}).values():
+        for hook_type, names_it, utility in _recomputing_hook_types():
+            if isinstance(hook, hook_type) and getattr(hook, names_it, None) == name:
+                return utility
+    return None
 
 
 @contextlib.contextmanager

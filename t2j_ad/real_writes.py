@@ -56,7 +56,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from .jax_in_traces import CalledInsideTrace, note_jax_inside
 from .module_locks import acquire, in_lock_order, release
-from .module_hooks import hook_tables_kept, hooks_numbered, own_global_hooks, put_back_removed_hooks, remove_hooks_since
+from .module_hooks import (
+    hook_tables_kept,
+    hooks_numbered,
+    own_global_hooks,
+    put_back_removed_hooks,
+    recomputing_hook,
+    remove_hooks_since,
+)
 from .random_state import random_state_kept
 from .state_writes import StateWrites, bound_by_a_replay, memory_of
 from .trial_caches import CachesKept, changed_entries, parametrize_cache, put_back
@@ -305,6 +312,9 @@ class ModuleAttributesKept:
         # Each rebinding as (module, name, the tensor bound before): state
         # the function keeps (NOTE [derivatives do not write again]).
         self.rebound_state: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+        # (id(module), name) -> (module, name) of each attribute a hook of
+        # PyTorch's bound anew (NOTE [attributes PyTorch's hooks recompute]).
+        self.recomputed: dict[tuple[int, str], tuple[torch.nn.Module, str]] = {}
         self._thread = threading.get_ident()
         # One frame per forward running, outermost first: the module, the
         # modules it was first to note (itself and those under it), and the
@@ -372,6 +382,10 @@ class ModuleAttributesKept:
                     if bound_by_a_replay(module, name):
                         continue  # the replay binds it back itself (NOTE [derivatives do not write again])
                     put_back(table, name, old)
+                    if _recomputed(module, table, name, old, new):
+                        # NOTE [attributes PyTorch's hooks recompute]
+                        self.recomputed.setdefault((id(module), name), (module, name))
+                        continue
                     self.rebound.append(f"{type(module).__name__}.{name}")
                     if isinstance(old, torch.Tensor):
                         self.rebound_state.append((module, name, old))
@@ -446,6 +460,52 @@ class ModuleAttributesKept:
 # state as found (a data-dependent init guarded by ``self.initialized``
 # re-initialized the parameters on every replay), where eager calls see
 # the state the first call left.
+
+
+def _recomputed(module: torch.nn.Module, table: dict[str, Any], name: str, old: Any, new: Any) -> bool:
+    """Whether ``module.name``, a plain attribute rebound from the tensor
+    ``old`` to the tensor ``new``, is one a hook of PyTorch's computes anew on
+    every call (NOTE [attributes PyTorch's hooks recompute])."""
+    return (
+        table is module.__dict__
+        and isinstance(old, torch.Tensor)
+        and isinstance(new, torch.Tensor)
+        and recomputing_hook(module, name) is not None
+    )
+
+
+# NOTE [attributes PyTorch's hooks recompute]
+# ``torch.nn.utils.prune`` (l1_unstructured, random_unstructured,
+# ln_structured, global_unstructured, a custom BasePruningMethod) renames
+# ``weight`` to ``weight_orig``, a parameter, beside ``weight_mask``, a
+# buffer, and registers a forward pre-hook that binds the plain attribute
+# ``module.weight = weight_orig * weight_mask`` before every forward; the old
+# ``torch.nn.utils.weight_norm`` and ``spectral_norm`` do the same from
+# ``weight_g`` and ``weight_v``, and from ``weight_orig`` and the power
+# iteration's vectors. The run noted every such binding as state the
+# function keeps (``rebound_state``), as it notes ``self.ema = 0.9 *
+# self.ema + ...``: per-example gradients of a pruned model ran as a loop
+# over the examples (28-166x torch.func's time; 72x eager and 25x graph for
+# a pruned 32-64-10 MLP at batch 64), with a warning that blamed running
+# statistics the model does not have, and every graph-mode trace of it was
+# refused, for a rebinding a graph never needs to replay. But such an
+# attribute is no state: the hook computes it from the module's own
+# parameters and buffers before the forward reads it, the value the last
+# call left is never read, and a derivative that runs the forward again
+# computes it again from the same tensors. So an attribute a hook of one
+# of these types (``module_hooks.recomputing_hook``) names is put back as
+# any rebinding, but noted apart (``recomputed``), neither as state nor as a
+# Python side effect a trace must replay: torch.vmap batches the function
+# and a graph computes the attribute as the hook's ops. What those hooks
+# write in place stays state (``spectral_norm``'s power iteration in
+# training mode updates ``weight_u`` and ``weight_v``: a loop over the
+# examples, one update each, as before). A call with transforms puts back
+# what such an attribute held when it started (``state_writes.
+# recomputed_bindings_kept``): else a derivative's functorch wrapper, or
+# torch.vmap's batched tensor, stayed bound in the user's module after the
+# call (as torch.func leaves it). A hook of the user's own that rebinds
+# ``module.weight`` from ``weight_orig`` is not known to be pure, and counts
+# as state, as before.
 
 
 # PyTorch's private names for a recurrent module's weight list and the weak
@@ -549,6 +609,12 @@ class TrialRun:
         place, and tensors a ``forward`` bound in place of a module's (NOTE
         [derivatives do not write again] in state_writes.py)."""
         return self._writes.state_written(self._attributes.rebound_state)
+
+    @property
+    def recomputed(self) -> tuple[tuple[torch.nn.Module, str], ...]:
+        """Each (module, name) a hook of PyTorch's bound anew from the
+        module's own tensors (NOTE [attributes PyTorch's hooks recompute])."""
+        return tuple(self._attributes.recomputed.values())
 
 
 # NOTE [one trial run at a time]

@@ -214,6 +214,10 @@ class Effects:
     # How many of its draws are from generators passed as ``generator=``
     # (NOTE [random state in trial runs] in random_state.py).
     given_draws: int = 0
+    # Each (module, name) a hook of PyTorch's binds anew on every call, from
+    # the module's own tensors: no state (NOTE [attributes PyTorch's hooks
+    # recompute] in real_writes.py).
+    recomputed: tuple[tuple[torch.nn.Module, str], ...] = ()
 
     def __bool__(self) -> bool:
         return self.draws_random or bool(self.writes)

@@ -96,6 +96,12 @@ class StateWrites:
         tensors = [memory_of(t) or id(t) for t in self.closed_over]
         return tensors, [(id(m), n) for m, n in self.in_modules]
 
+    def names(self) -> list[str]:
+        """Each slot as its user knows it: ``Class.name`` for a module's, the
+        shape and dtype for a tensor the function closes over."""
+        closed = [f"a {str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)}" for t in self.closed_over]
+        return closed + [f"{type(module).__name__}.{name}" for module, name in self.in_modules]
+
     def slot_bytes(self) -> list[int]:
         """The size of each slot's value, in bytes."""
         return [math.prod(shape) * dtype.itemsize for shape, dtype in self.layouts]
@@ -250,3 +256,26 @@ class WritesPutBack:
             with torch.no_grad():
                 for tensor, value in saved:
                     tensor.copy_(value)
+
+
+def recomputed_bindings_kept(
+    fn: Callable[..., Any], bindings: tuple[tuple[torch.nn.Module, str], ...]
+) -> Callable[..., Any]:
+    """``fn`` (a call with transforms), leaving each (module, name) of
+    ``bindings``, attributes a hook of PyTorch's binds anew on every call,
+    bound as it found them: not to a functorch wrapper of the call's, which
+    would outlive its transform (NOTE [attributes PyTorch's hooks recompute]
+    in real_writes.py)."""
+    if not bindings:
+        return fn
+
+    def run(*args: Any) -> Any:
+        found = [(table, name, table[name]) for module, name in bindings if (table := _table(module, name)) is not None]
+        try:
+            return fn(*args)
+        finally:
+            for table, name, tensor in found:
+                if table.get(name) is not tensor:
+                    table[name] = tensor
+
+    return run

@@ -18,6 +18,7 @@ from .convert import on_another_device, torch_dtype
 from .held_bindings import held_through_the_call
 from .replayed_calls import effects, effects_now, per_example_refusal, token_input
 from .rules.fallbacks import forward_mode, reverse_mode, vmap_auto, warn_once
+from .state_writes import StateWrites, recomputed_bindings_kept
 from .torch_fn import Aval, Jvp, TorchFn, Transform, Vjp, Vmap
 
 Flat = Callable[..., tuple[torch.Tensor, ...]]
@@ -118,17 +119,22 @@ def _make_vjp(t: Vjp, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], ba
     return vjp_fn
 
 
-def _announce_loop_for_state(base: Any) -> None:
+def _announce_loop_for_state(base: Any, writes: StateWrites) -> None:
     """NOTE [derivatives do not write again]: PyTorch's loop over the
     examples updates the state once per example; torch.vmap would update it
     once for the batch, or fail after a first write (batch norm counts the
-    batch, then refuses a batched input). Said once per function."""
+    batch, then refuses a batched input). Said once per function, naming
+    the state (NOTE [attributes PyTorch's hooks recompute] in real_writes.py:
+    an attribute a hook of the user's binds anew is counted)."""
     warn_once(
         base,
         "vmap",
-        f"t2j_ad: {base.name!r} updates state it keeps (running statistics, or a tensor it writes in "
-        f"place); batching it with a sequential loop, one update per example as a loop in PyTorch makes "
-        f"them. Pass vmap_method='sequential' to silence this.",
+        f"t2j_ad: {base.name!r} updates state it keeps ({', '.join(writes.names())}: running statistics, a "
+        f"tensor it writes in place, or one a forward or a hook binds anew); batching it with a sequential "
+        f"loop, one update per example as a loop in PyTorch makes them. An attribute that a hook of your own "
+        f"computes again from the module's tensors on every call (a pruning mask) is no state: register it "
+        f"with torch.nn.utils.parametrize instead, which torch.vmap batches. Pass vmap_method='sequential' to "
+        f"silence this.",
     )
 
 
@@ -224,7 +230,7 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
                 # loop had updated the state once per example.
                 raise per_example_refusal(base.name)
             if root.vmap_method == "auto":
-                _announce_loop_for_state(root)
+                _announce_loop_for_state(root, base.effects.writes)
         return sequential
     if t.method == "expand_dims":
         return asked_for(expand_dims)
@@ -253,8 +259,9 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
         # value's draws]): torch.vmap cannot set a state per example. Over
         # tangents (the token unbatched) torch.vmap batches it.
         return sequential
-    if effects(base).writes:
-        _announce_loop_for_state(base)
+    writes = effects(base).writes
+    if writes:
+        _announce_loop_for_state(base, writes)
         return sequential
     return auto
 
@@ -297,8 +304,20 @@ def build(fun: TorchFn) -> Callable[..., tuple[Any, ...]]:
                 with base.lock:
                     base.built[key] = cached
             g = cached
+    if not fun.transforms:
+        return g
+    g = recomputed_bindings_kept(g, _recomputed_by_hooks(base))
     # NOTE [bindings held through the reverse pass] in held_bindings.py
-    return held_through_the_call(g) if fun.transforms else g
+    return held_through_the_call(g)
+
+
+def _recomputed_by_hooks(base: Any) -> tuple[tuple[torch.nn.Module, str], ...]:
+    """The attributes hooks of PyTorch's bind anew in ``base``'s modules, as
+    shape inference saw them (NOTE [attributes PyTorch's hooks recompute] in
+    real_writes.py); read as seen, not found again for the flags now: a
+    build runs no trial run of its own."""
+    seen = getattr(base, "effects", None)
+    return seen.recomputed if seen is not None else ()
 
 
 _SECOND_ORDER = "normalizations by plain ops"  # a key of base.built (NOTE [normalizations at second order])
