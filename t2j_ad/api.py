@@ -7,7 +7,7 @@ import inspect
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -217,6 +217,11 @@ class JaxifiedFunction:
         except (TypeError, ValueError):  # builtins such as torch.sin
             self._signature = None
         self._cache: dict[Any, _Signature] = {}
+        # NOTE [a structure seen before] in module_structure.py: per input
+        # signature, the last few resolutions set aside, most recent first;
+        # and what compile_stats() counted of those dropped beyond them.
+        self._set_aside: dict[Any, list[_Signature]] = {}
+        self._dropped_stats = _no_stats()
         self._lock = threading.RLock()  # a function may call its own wrapper while inferring
         functools.update_wrapper(self, torch_fn, updated=())
         _live_functions.add(self)
@@ -461,9 +466,30 @@ class JaxifiedFunction:
             with self._lock:
                 entry = self._cache.get(key)
                 if entry is None or not entry.base.structure.holds():
-                    entry = self._resolve(in_tree, in_avals, arrays)
+                    entry = self._resolved_again(key, entry, in_tree, in_avals, arrays)
                     self._cache[key] = entry
         return entry, arrays
+
+    def _resolved_again(
+        self, key: Any, left: _Signature | None, in_tree: Any, in_avals: tuple[Aval, ...], arrays: list[jax.Array]
+    ) -> _Signature:
+        """The signature of ``key`` for the structure of the modules now: one
+        set aside whose structure is back (NOTE [a structure seen before] in
+        module_structure.py), else resolved afresh; ``left``, the one whose
+        structure changed, is set aside. Called under ``self._lock``."""
+        set_aside = self._set_aside.setdefault(key, [])
+        entry = next((e for e in set_aside if e.base.structure.holds_with_its_tensors()), None)
+        if entry is not None:
+            set_aside.remove(entry)
+        else:
+            entry = self._resolve(in_tree, in_avals, arrays)
+        if left is not None:
+            set_aside.insert(0, left)
+            for dropped in set_aside[_STRUCTURES_KEPT:]:
+                for name, value in _stats_of(_bases_of(dropped)).items():
+                    self._dropped_stats[name] += value
+            del set_aside[_STRUCTURES_KEPT:]
+        return entry
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         entry, arrays = self._signature_for(args, kwargs)
@@ -478,6 +504,8 @@ class JaxifiedFunction:
         programs, for every function."""
         with self._lock:
             self._cache.clear()
+            self._set_aside.clear()
+            self._dropped_stats = _no_stats()
 
     def compile_stats(self) -> dict[str, float]:
         """What ``compile="graph"``/``"inductor"`` made so far, over every input
@@ -485,16 +513,48 @@ class JaxifiedFunction:
         setting of the training flags of the modules they run),
         ``eager_fallbacks`` (TorchFns that run eagerly: their trace failed,
         or they replay random draws once per example), ``trace_seconds`` and ``compile_seconds`` (inductor) spent;
-        the per-device functions of a sharded ``jax.jit`` included."""
-        family = [b for entry in list(self._cache.values()) for b in (entry.base, *replayed_calls.variants(entry.base))]
-        bases = [b for base in family for b in (base, *local_bases(base))]
-        artifacts = [a for base in bases for a in graph_mode.artifacts(base)]
-        return {
-            "graphs": sum(a.run is not None for a in artifacts),
-            "eager_fallbacks": sum(a.run is None for a in artifacts),
-            "trace_seconds": sum(a.trace_seconds for a in artifacts),
-            "compile_seconds": sum(a.compile_seconds for a in artifacts),
-        }
+        the per-device functions of a sharded ``jax.jit`` included, and those
+        made for the structures its modules had before (NOTE [a structure
+        seen before] in module_structure.py). ``clear_cache`` starts them
+        from zero."""
+        entries = [*list(self._cache.values()), *(e for kept in list(self._set_aside.values()) for e in list(kept))]
+        dropped = dict(self._dropped_stats)
+        counted = _stats_of(b for entry in entries for b in _bases_of(entry))
+        return {name: counted[name] + dropped[name] for name in _STATS}
+
+
+# What compile_stats() reports.
+_STATS = ("graphs", "eager_fallbacks", "trace_seconds", "compile_seconds")
+
+
+def _no_stats() -> dict[str, float]:
+    """``compile_stats()`` of nothing made."""
+    return {"graphs": 0, "eager_fallbacks": 0, "trace_seconds": 0.0, "compile_seconds": 0.0}
+
+
+# How many resolutions for earlier structures of its modules a jaxified
+# function keeps per input signature (NOTE [a structure seen before] in
+# module_structure.py): a few, for heads swapped back and forth, since each
+# holds its graphs and its programs in JAX's caches.
+_STRUCTURES_KEPT = 4
+
+
+def _bases_of(entry: _Signature) -> list[BaseFn]:
+    """The BaseFns of one signature: its own, its keeping and replaying
+    variants, and their per-device functions of a sharded ``jax.jit``."""
+    family = (entry.base, *replayed_calls.variants(entry.base))
+    return [b for base in family for b in (base, *local_bases(base))]
+
+
+def _stats_of(bases: Iterable[BaseFn]) -> dict[str, float]:
+    """``compile_stats()`` of the artifacts ``bases`` made."""
+    artifacts = [a for base in bases for a in graph_mode.artifacts(base)]
+    return {
+        "graphs": sum(a.run is not None for a in artifacts),
+        "eager_fallbacks": sum(a.run is None for a in artifacts),
+        "trace_seconds": sum(a.trace_seconds for a in artifacts),
+        "compile_seconds": sum(a.compile_seconds for a in artifacts),
+    }
 
 
 def _rebuilt(

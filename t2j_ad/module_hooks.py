@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -157,6 +158,137 @@ def user_hook_ids(module: torch.nn.Module | None) -> tuple[tuple[int, ...], ...]
     """The handles' ids of ``module``'s hooks (the global ones for None),
     table by table, but t2j_ad's own."""
     return tuple(tuple(key for key in table if key not in _ids_now) if table else () for table in _tables(module))
+
+
+# The tables of a module's flags for its hooks, keyed by the same numbers
+# (``with_kwargs=True``, ``always_call=True``), and the global ones; and the
+# attribute saying whether its backward hooks are full ones.
+_FLAG_TABLES = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+_GLOBAL_FLAG_TABLES = tuple(f"_global{name}" for name in _FLAG_TABLES)
+_FULL_BACKWARD = ("_is_full_backward_hook", "_global_is_full_backward_hook")
+
+# The values a hook's closure or defaults may hold that count as the same
+# when equal, not only when the same object (NOTE [a hook registered again]
+# in module_structure.py).
+_PLAIN_VALUES = (int, float, complex, str, bytes, bool, type(None))
+_EMPTY_CELL = object()
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """The same object, or plain values that print alike (so 0.0 and -0.0,
+    or 1 and True, differ, and a NaN is itself)."""
+    return a is b or (type(a) is type(b) and type(a) in _PLAIN_VALUES and repr(a) == repr(b))
+
+
+def _cell_contents(function: types.FunctionType) -> list[Any]:
+    """What each cell of ``function``'s closure holds (``_EMPTY_CELL`` for
+    one not bound yet)."""
+    contents = []
+    for cell in function.__closure__ or ():
+        try:
+            contents.append(cell.cell_contents)
+        except ValueError:
+            contents.append(_EMPTY_CELL)
+    return contents
+
+
+def _names_read(code: types.CodeType) -> set[str]:
+    """The global (and attribute) names ``code`` and the code nested in it
+    read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_read(const)
+    return names
+
+
+def _globals_read(hook: Any) -> tuple[Any, ...]:
+    """What the module globals ``hook`` names hold now, by name (nothing
+    for a hook that is no function or method)."""
+    function = getattr(hook, "__func__", hook)
+    if not isinstance(function, types.FunctionType):
+        return ()
+    return tuple(function.__globals__.get(name, _EMPTY_CELL) for name in sorted(_names_read(function.__code__)))
+
+
+def _same_values(a: Iterable[Any], b: Iterable[Any]) -> bool:
+    a, b = list(a), list(b)
+    return len(a) == len(b) and all(map(_same_value, a, b))
+
+
+def _same_function(a: types.FunctionType, b: types.FunctionType) -> bool:
+    """One code object, module globals, defaults and closure contents."""
+    kw_a, kw_b = a.__kwdefaults__ or {}, b.__kwdefaults__ or {}
+    return (
+        a.__code__ is b.__code__
+        and a.__globals__ is b.__globals__
+        and _same_values(a.__defaults__ or (), b.__defaults__ or ())
+        and kw_a.keys() == kw_b.keys()
+        and _same_values(kw_a.values(), (kw_b[k] for k in kw_a))
+        and _same_values(_cell_contents(a), _cell_contents(b))
+    )
+
+
+def same_hook(a: Any, b: Any) -> bool:
+    """Whether hooks ``a`` and ``b`` do the same, given the same globals
+    (NOTE [a hook registered again] in module_structure.py): one object; a
+    function made again from the same code with the same defaults and
+    closure contents; a method of one object bound again. Anything else
+    only as one object."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, types.MethodType):
+        return a.__self__ is b.__self__ and same_hook(a.__func__, b.__func__)
+    return isinstance(a, types.FunctionType) and _same_function(a, b)
+
+
+class SameHook:
+    """A hook as a module's structure holds it: equal to another that does
+    the same (``same_hook``) and whose globals held the same when each was
+    seen; it keeps the hook alive, so no other object takes its id
+    meanwhile."""
+
+    __slots__ = ("hook", "globals_read")
+
+    def __init__(self, hook: Any) -> None:
+        self.hook = hook
+        # Read now: the hook reads them when it runs, and a graph keeps them.
+        self.globals_read = _globals_read(hook)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, SameHook)
+            and same_hook(self.hook, other.hook)
+            and _same_values(self.globals_read, other.globals_read)
+        )
+
+    def __hash__(self) -> int:
+        function = getattr(self.hook, "__func__", self.hook)
+        code = getattr(function, "__code__", None) if isinstance(function, types.FunctionType) else None
+        return hash(code) if code is not None else id(self.hook)
+
+    def __repr__(self) -> str:
+        return f"SameHook({self.hook!r})"
+
+
+def user_hooks_seen(module: torch.nn.Module | None) -> tuple[Any, ...]:
+    """``module``'s hooks (the global ones for None), but t2j_ad's own, table
+    by table and in order, each as a ``SameHook`` with its flags, and
+    whether its backward hooks are full ones: what it runs, whatever the
+    handles' ids (NOTE [a hook registered again] in module_structure.py)."""
+    attributes, names = _where_tables_are(module)
+    flag_tables = [attributes.get(name) or () for name in (_GLOBAL_FLAG_TABLES if module is None else _FLAG_TABLES)]
+    tables = tuple(
+        tuple(
+            (SameHook(hook), tuple(key in flags for flags in flag_tables))
+            for key, hook in (attributes.get(name) or {}).items()
+            if key not in _ids_now
+        )
+        for name in names
+    )
+    return (*tables, attributes.get(_FULL_BACKWARD[module is None]))
 
 
 # Where a hook is: the attributes holding its table, the table's name, and

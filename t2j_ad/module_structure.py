@@ -62,17 +62,62 @@ hook it holds is (a module's table and the handle's id:
 still there: one dict lookup per hook, nothing for modules without hooks.
 A call that finds one gone resolves the signature again, as after a hook
 added; a graph traced before is then not used.
+
+NOTE [a hook registered again]
+A notebook loop registers a hook around every call (``h =
+net.fc.register_forward_hook(save); out = f(x); h.remove()``): each handle
+has a new id, so the structure, which held the hooks by their handles'
+ids, changed on every call, and every call inferred its output shapes
+again (and in graph mode traced again). So the structure holds each hook
+as what it runs (``module_hooks.SameHook``): the same function object, or
+a function made again from the same code object, with the same module
+globals, defaults and closure contents (each the same object, or equal
+plain numbers and strings, and so each global it names: ``lambda m, a, o:
+o * 2`` defined again in the loop is the same hook, ``lambda m, a, o: o *
+scale`` after ``scale`` changed is not, whether ``scale`` is a global or
+a variable it closes over, since a graph traced with the hook holds the
+number), or a method bound again to the same object; with its
+flags (``with_kwargs``, ``always_call``, a full backward hook or not), in
+its table's order. A call that finds a hook's handle gone therefore
+compares the structure, and where the same hooks are back in the same
+places it keeps its signature and only notes where they are now. A hook
+that does something else (``o * 2`` replaced by ``o * 3``, another
+object's method) is another structure, resolved again. What a hook reads
+further (an attribute of an object it closes over: ``o * cfg.scale``) is
+no more seen than when the one hook stays registered, nor than in the
+function itself (README, "Notebooks").
+
+NOTE [a structure seen before]
+Swapping a submodule back and forth (``net.head = head_a`` then ``head_b``
+each step, ``net.active = net.heads[i]``) resolved the signature again on
+every swap: it inferred output shapes, traced its graphs again in graph
+mode, and made a new ``BaseFn``, so a new ``TorchFn`` and a new program in
+JAX's caches (about 2.9 MB a swap, until ``jax.clear_caches()``). So a
+jaxified function keeps, per input signature, the resolutions of the last
+few structures it left (``_STRUCTURES_KEPT`` in api.py), and a structure
+change first looks there: one whose structure holds again
+(``holds_with_its_tensors``) is taken back, with its ``TorchFn``, its
+graphs and its place in JAX's caches. Only an exact match counts: the same
+submodule objects (held weakly: a module dropped is never matched by
+another at its address), parameter and buffer names, children, hooks (NOTE
+[a hook registered again]) and names the function reads, and every
+parameter and buffer the same tensor, of the shape and dtype it had when
+the signature was resolved; anything else resolves again, as before. The
+resolutions kept hold their graphs; ``compile_stats()`` counts them, and
+keeps the counts of those it drops beyond the few kept.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.modules.module as _module_hooks  # public: torch.nn.modules.module.register_module_*_hook
+from torch.nn.parameter import is_lazy
 
-from .module_hooks import hooks_still_in_place, user_hook_ids, user_hook_places, user_hooks_registered
+from .module_hooks import hooks_still_in_place, user_hook_places, user_hooks_registered, user_hooks_seen
 from .named_bindings import BindingsSeen
 
 # How many submodules, parameters and buffers have been registered on any
@@ -100,11 +145,12 @@ def _submodules(modules: Sequence[Any]) -> list[Any]:
     return [sub for root in modules for sub in root.modules()]
 
 
-def _structure(modules: Sequence[Any]) -> tuple[Any, ...]:
-    """Each submodule of ``modules`` (by identity) with the names of its
-    parameters and buffers, in order, each of its children by name (NOTE [a
-    submodule switched by name]), and its hooks; and the global hooks, which
-    reach modules the function makes or does not name too."""
+def _structure(submodules: Sequence[Any]) -> tuple[Any, ...]:
+    """Each of ``submodules`` (by identity) with the names of its parameters
+    and buffers, in order, each of its children by name (NOTE [a submodule
+    switched by name]), and its hooks as what they run (NOTE [a hook
+    registered again]); and the global hooks, which reach modules the
+    function makes or does not name too."""
     return (
         *(
             (
@@ -112,12 +158,50 @@ def _structure(modules: Sequence[Any]) -> tuple[Any, ...]:
                 tuple(sub._parameters.keys()),
                 tuple(sub._buffers.keys()),
                 tuple((name, id(child)) for name, child in sub._modules.items()),
-                user_hook_ids(sub),
+                user_hooks_seen(sub),
             )
-            for sub in _submodules(modules)
+            for sub in submodules
         ),
-        user_hook_ids(None),
+        user_hooks_seen(None),
     )
+
+
+def _weak_refs(objects: Sequence[Any]) -> tuple[Any, ...]:
+    """A weak reference to each of ``objects`` (the object itself where it
+    takes none)."""
+    refs = []
+    for obj in objects:
+        try:
+            refs.append(weakref.ref(obj))
+        except TypeError:
+            refs.append(lambda obj=obj: obj)
+    return tuple(refs)
+
+
+def _still(refs: Sequence[Any], objects: Sequence[Any]) -> bool:
+    """Whether ``refs`` (``_weak_refs``) reach ``objects``, in order."""
+    return len(refs) == len(objects) and all(ref() is obj for ref, obj in zip(refs, objects))
+
+
+def _tensors(submodules: Sequence[Any]) -> list[Any]:
+    """The parameters and buffers of ``submodules``, in order (None where a
+    name holds none)."""
+    return [t for sub in submodules for table in (sub._parameters, sub._buffers) for t in table.values()]
+
+
+def _layout(tensor: Any) -> Any:
+    """The shape and dtype of ``tensor``; None for none, and a lazy module's
+    parameter, which has neither yet, as uninitialized."""
+    if tensor is None:
+        return None
+    if is_lazy(tensor):
+        return "uninitialized"
+    return tuple(tensor.shape), tensor.dtype
+
+
+def _layouts(tensors: Sequence[Any]) -> tuple[Any, ...]:
+    """The shape and dtype of each of ``tensors``."""
+    return tuple(map(_layout, tensors))
 
 
 class ModuleChangedError(TypeError):
@@ -131,19 +215,25 @@ class StructureSeen:
     remembers hold (NOTE [a name rebound after a call] in named_bindings.py);
     ``holds()`` says whether both still are as they were."""
 
-    __slots__ = ("_modules", "_registered", "_structure", "_hooks", "_bindings")
+    __slots__ = ("_modules", "_registered", "_structure", "_submodules", "_tensors", "_layouts", "_hooks", "_bindings")
 
     def __init__(self, modules: Sequence[Any], bindings: BindingsSeen | None = None) -> None:
         self._modules = tuple(modules)
         self._registered = _registrations()
-        self._structure = _structure(self._modules)
+        submodules = _submodules(self._modules)
+        self._structure = _structure(submodules)
+        # NOTE [a structure seen before]: the objects, not only their ids.
+        self._submodules = _weak_refs(submodules)
+        tensors = _tensors(submodules)
+        self._tensors = _weak_refs([t for t in tensors if t is not None])
+        self._layouts = _layouts(tensors)
         # NOTE [a hook removed after a call]
-        self._hooks = user_hook_places(_submodules(self._modules))
+        self._hooks = user_hook_places(submodules)
         self._bindings = bindings
 
     def now(self) -> tuple[Any, ...]:
         """The structure of the modules, and what the names hold, as they are now."""
-        return _structure(self._modules), () if self._bindings is None else self._bindings.now()
+        return _structure(_submodules(self._modules)), () if self._bindings is None else self._bindings.now()
 
     def watches_names(self) -> bool:
         """Whether it remembers what some name the function reads holds."""
@@ -171,12 +261,28 @@ class StructureSeen:
     def holds(self) -> bool:
         if self._bindings is not None and not self._bindings.hold():
             return False
-        if self._hooks and not hooks_still_in_place(self._hooks):  # NOTE [a hook removed after a call]
-            return False
         registered = _registrations()
-        if registered == self._registered:
+        # NOTE [a hook removed after a call]
+        if registered == self._registered and (not self._hooks or hooks_still_in_place(self._hooks)):
             return True
-        if _structure(self._modules) != self._structure:
+        submodules = _submodules(self._modules)
+        structure = _structure(submodules)
+        if structure != self._structure or not _still(self._submodules, submodules):
             return False
-        self._registered = registered  # something else was registered: nothing to walk next time
+        # Something else was registered, or the same hooks again (NOTE [a
+        # hook registered again]): nothing to walk next time. Held as they
+        # are now, so hooks made again in a loop do not keep the first alive.
+        self._structure = structure
+        self._hooks = user_hook_places(submodules)
+        self._registered = registered
         return True
+
+    def holds_with_its_tensors(self) -> bool:
+        """``holds()``, and each parameter and buffer is the tensor it was
+        when the signature was resolved, of that shape and dtype: a
+        resolution set aside may be taken back (NOTE [a structure seen
+        before])."""
+        if not self.holds():
+            return False
+        tensors = _tensors(_submodules(self._modules))
+        return _still(self._tensors, [t for t in tensors if t is not None]) and _layouts(tensors) == self._layouts

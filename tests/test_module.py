@@ -897,3 +897,188 @@ def test_a_submodule_switched_by_name_between_registered_modules_is_seen(x64, co
     expected_grad, expected_value = torch.func.grad_and_value(lambda x: (net(x) ** 2).sum())(to_torch(x))
     np.testing.assert_allclose(f(x), expected_value.item(), rtol=1e-12)
     np.testing.assert_allclose(jax.grad(f)(x), to_numpy(expected_grad), rtol=1e-12)
+
+
+def _counting_resolutions(monkeypatch) -> list[int]:
+    """One entry per input signature resolved (shapes inferred) from now on."""
+    from t2j_ad import api
+
+    seen: list[int] = []
+    original = api.JaxifiedFunction._resolve
+
+    def counting(self, *args):
+        seen.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(api.JaxifiedFunction, "_resolve", counting)
+    return seen
+
+
+def _assert_value_and_grad_as_torch_func(value_and_grad, loss, x):
+    value, grad = value_and_grad(x)
+    expected_grad, expected_value = torch.func.grad_and_value(loss)(to_torch(x))
+    np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
+    np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10, atol=1e-12)
+
+
+def _sequential_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double().to(TORCH_DEVICE)
+
+
+@pytest.mark.parametrize("hook", ["one function", "a lambda made again", "a method bound again"])
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_hook_registered_and_removed_around_every_call_keeps_its_signature(x64, monkeypatch, compile, hook):
+    """A notebook loop registering a hook around every call (``h =
+    net[2].register_forward_hook(...); f(x); h.remove()``): each handle had
+    a new id, so every call inferred its output shapes again (NOTE [a hook
+    registered again], the tenth fuzzing pass)."""
+    net = _sequential_net()
+
+    class Doubler:
+        def hook(self, module, args, output):
+            return output * 2
+
+    doubler = Doubler()
+    made = {
+        "one function": lambda: _doubling_hook,
+        "a lambda made again": lambda: (lambda module, args, output: output * 2),
+        "a method bound again": lambda: doubler.hook,
+    }[hook]
+
+    def loss(x):
+        return (net(x) ** 2).sum()
+
+    value_and_grad = jax.value_and_grad(t2j_ad.jaxify(loss, compile=compile))
+    x = jnp.array([0.3, -1.2, 0.7])
+    resolved = _counting_resolutions(monkeypatch)
+    for _ in range(4):
+        handle = net[2].register_forward_hook(made())
+        try:
+            _assert_value_and_grad_as_torch_func(value_and_grad, loss, x)
+        finally:
+            handle.remove()
+    assert len(resolved) == 1
+
+
+_hook_scale = 2.0
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_hook_registered_again_that_computes_otherwise_is_resolved_again(x64, compile):
+    """NOTE [a hook registered again]: only a hook that does the same keeps
+    the signature: one made from the same code with another number in its
+    defaults, its closure or a global it reads, a pre-hook in a forward
+    hook's place, or no hook at all, gives PyTorch's value and gradient."""
+    global _hook_scale
+    net = _sequential_net()
+
+    def loss(x):
+        return (net(x) ** 2).sum()
+
+    def closing_over(scale):
+        return lambda module, args, output: output * scale
+
+    value_and_grad = jax.value_and_grad(t2j_ad.jaxify(loss, compile=compile))
+    x = jnp.array([0.3, -1.2, 0.7])
+    try:
+        for scale in (2.0, 3.0, 2.0, -1.0):
+            _hook_scale = scale
+            for register in (
+                lambda: net[2].register_forward_hook(lambda module, args, output, s=scale: output * s),
+                lambda: net[2].register_forward_hook(closing_over(scale)),
+                lambda: net[2].register_forward_hook(lambda module, args, output: output * _hook_scale),
+                lambda: net[2].register_forward_pre_hook(lambda module, args: (args[0] * _hook_scale,)),
+                lambda: net[0].register_forward_hook(lambda module, args, output: output * _hook_scale),
+            ):
+                handle = register()
+                try:
+                    _assert_value_and_grad_as_torch_func(value_and_grad, loss, x)
+                finally:
+                    handle.remove()
+                _assert_value_and_grad_as_torch_func(value_and_grad, loss, x)
+    finally:
+        _hook_scale = 2.0
+
+
+class _OneHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(3, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
+def _one_head_net() -> tuple[nn.Module, list[nn.Module]]:
+    torch.manual_seed(0)
+    net = _OneHead().double().to(TORCH_DEVICE)
+    return net, [net.head, nn.Linear(4, 2).double().to(TORCH_DEVICE)]
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_submodule_swapped_back_and_forth_takes_back_what_was_resolved_for_it(x64, monkeypatch, compile):
+    """``net.head = heads[step % 2]`` every step: each swap inferred (and in
+    graph mode traced) again, and made a new program in JAX's caches; a
+    head that comes back now takes back its signature and graphs (NOTE [a
+    structure seen before], the tenth fuzzing pass)."""
+    net, heads = _one_head_net()
+
+    def loss(x):
+        return (net(x) ** 2).sum()
+
+    f = t2j_ad.jaxify(loss, compile=compile)
+    value_and_grad = jax.value_and_grad(f)
+    x = jnp.array([0.3, -1.2, 0.7])
+    resolved = _counting_resolutions(monkeypatch)
+    stats = []
+    for step in range(6):
+        net.head = heads[step % 2]
+        _assert_value_and_grad_as_torch_func(value_and_grad, loss, x)
+        stats.append(f.compile_stats())
+    assert len(resolved) == 2
+    assert stats[1] == stats[-1]  # nothing traced after both heads were seen
+    if compile == "graph":
+        assert stats[-1]["graphs"] == 2 * stats[0]["graphs"] > 0
+
+
+def test_compile_stats_counts_the_graphs_traced_before_a_swap(x64):
+    """``compile_stats()`` counted only the current structure's graphs
+    (the tenth fuzzing pass); now those of the structures before too, the
+    few kept and those dropped beyond them (NOTE [a structure seen
+    before])."""
+    net, _ = _one_head_net()
+    f = t2j_ad.jaxify(lambda x: (net(x) ** 2).sum(), compile="graph")
+    x = jnp.array([0.3, -1.2, 0.7])
+    for step in range(7):
+        if step:
+            net.head = nn.Linear(4, 2).double().to(TORCH_DEVICE)
+        f(x)
+        assert f.compile_stats()["graphs"] == step + 1
+    f.clear_cache()
+    assert f.compile_stats()["graphs"] == 0
+
+
+@pytest.mark.parametrize("weight_shape", [(2, 4), (3, 4)])
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_structure_set_aside_is_not_taken_back_after_a_parameter_was_replaced(x64, compile, weight_shape):
+    """NOTE [a structure seen before]: a head whose weight was replaced while
+    it was swapped out (another tensor, the same shape or another) is
+    resolved again when it comes back, never run by the graph or the output
+    shapes of the weight before."""
+    net, heads = _one_head_net()
+
+    def loss(x):
+        return (net(x) ** 2).sum()
+
+    value_and_grad = jax.value_and_grad(t2j_ad.jaxify(loss, compile=compile))
+    x = jnp.array([0.3, -1.2, 0.7])
+    value_and_grad(x)
+    net.head = heads[1]
+    value_and_grad(x)
+    torch.manual_seed(1)
+    heads[0].weight = nn.Parameter(torch.randn(weight_shape, dtype=torch.float64, device=TORCH_DEVICE))
+    heads[0].bias = nn.Parameter(torch.randn(weight_shape[0], dtype=torch.float64, device=TORCH_DEVICE))
+    net.head = heads[0]
+    _assert_value_and_grad_as_torch_func(value_and_grad, loss, x)
