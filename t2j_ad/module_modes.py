@@ -56,6 +56,29 @@ compared as lists, and one lookup per class. On the 40-layer module of
 benchmarks/bench_call_latency.py (81 modules, a jitted graph-mode call
 of about 345 us on the 2-core CPU machine) the check that read the flags
 in a Python loop cost about 10 us a call, and this one about 14 us.
+
+NOTE [the submodules a graph ran]
+A graph holds the ops of the submodules each module ran when it was
+traced. Under ``jax.jit`` its program keeps calling that graph after
+``net.head = other_head`` (or ``net.active = net.heads[1]``): the swap
+changes no training flag or ``forward`` of the modules the trace ran, so
+``jax.jit(jax.value_and_grad(f))`` in graph mode kept replaying the first
+head, silently (1.0528 where PyTorch gives 1.5137), where eager calls read
+``net.head`` as it is. (Without ``jax.jit``, each call resolves its
+signature for the structure as it is: NOTE [a submodule switched by name]
+in module_structure.py.) So what is recorded of each module a trace ran is
+also its table of children, by name and identity (a copy, which keeps
+them alive, so a new module at a dead one's address never matches), and a
+graph is used only while each table holds them: a swap traces the graph of
+the new head, and a head swapped back takes back its own graph, kept
+beside it under the modules it ran. Checking compares the tables in C, one
+dict comparison per module that held children when traced (a child added
+to a leaf later is one no traced forward calls); on the 81-module network
+of benchmarks/bench_call_latency.py, one table of 80, about 1 us a call.
+A submodule a forward picks by a flag it reads (``self.act = self.drop
+if self.noisy else self.ident``) is bound by the forward, which a replay
+does not run: the flag is Python state a graph reads once per trace
+(NOTE [a graph per training mode]).
 """
 
 from __future__ import annotations
@@ -125,6 +148,8 @@ class ModuleModes:
         "_class_forwards",
         "_rated",
         "_rates",
+        "_parents",
+        "_children",
     )
 
     def __init__(self, seen: Sequence[tuple[torch.nn.Module, bool, Any]] = ()) -> None:
@@ -145,6 +170,16 @@ class ModuleModes:
         named = ((module, _rate_attribute(module)) for module in self.modules)
         self._rated = [(module, name) for module, name in named if name is not None]
         self._rates = self._rates_now()
+        # NOTE [the submodules a graph ran]: of the modules that hold some,
+        # copies of their tables of children, which keep the children alive.
+        tables = [getattr(module, "__dict__", {}).get("_modules") for module in self.modules]
+        self._parents = [attributes for attributes, table in zip(self._attributes, tables) if table]
+        self._children = [dict(table) for table in tables if table]
+
+    def _children_now(self) -> list[Any]:
+        """The table of children (``_modules``) of each module that held
+        some, as it is now."""
+        return list(map(dict.get, self._parents, repeat("_modules")))
 
     def _rates_now(self) -> list[Any]:
         return [getattr(module, name) for module, name in self._rated]
@@ -161,15 +196,17 @@ class ModuleModes:
         return zip(self.modules, self._flags)
 
     def hold(self) -> bool:
-        """Whether every module still has the training flag it had, and it
-        and its class the ``forward`` they held; each read for all modules
-        at once, in C (NOTE [a forward replaced after a trace])."""
+        """Whether every module still has the training flag it had, it and
+        its class the ``forward`` they held, and it the children it held;
+        each read for all modules at once, in C (NOTE [a forward replaced
+        after a trace], NOTE [the submodules a graph ran])."""
         return (
             list(map(dict.get, self._plain, repeat("training"))) == self._plain_flags
             and list(map(_TRAINING, self._others)) == self._other_flags
             and list(map(dict.get, self._attributes, repeat("forward"))) == self._own_forwards
             and _class_forwards(self._classes) == self._class_forwards
             and (not self._rated or self._rates_now() == self._rates)
+            and self._children_now() == self._children
         )
 
     def now(self) -> tuple[Any, ...]:

@@ -1082,3 +1082,56 @@ def test_a_structure_set_aside_is_not_taken_back_after_a_parameter_was_replaced(
     heads[0].bias = nn.Parameter(torch.randn(weight_shape[0], dtype=torch.float64, device=TORCH_DEVICE))
     net.head = heads[0]
     _assert_value_and_grad_as_torch_func(value_and_grad, loss, x)
+
+
+class _SwappedActivation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(3, 4)
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        return self.act(self.body(x)).sum()
+
+
+@pytest.mark.parametrize("wrap", ["jaxify", "jaxify_module"])
+def test_a_graph_under_jit_is_not_used_for_a_submodule_swapped_in(x64, wrap):
+    """``jax.jit(jax.value_and_grad(...))`` in graph mode, with a submodule
+    swapped between steps: the compiled program kept replaying the first
+    one's graph, silently (1.0528 where PyTorch gives 1.5137 for a swapped
+    head), since a graph assumed the training flags and forwards of the
+    modules it ran but not which submodules they hold (NOTE [the
+    submodules a graph ran]). One that comes back takes back its graph."""
+    torch.manual_seed(0)
+    x = jnp.array([0.3, -1.2, 0.7])
+    if wrap == "jaxify":
+        net, swapped = _one_head_net()
+        attribute = "head"
+
+        def loss(x):
+            return (net(x) ** 2).sum()
+
+        f = t2j_ad.jaxify(loss, compile="graph")
+        step = jax.jit(jax.value_and_grad(f))
+        run = step
+    else:
+        # The parameters are params' wherever they are bound, so what a swap
+        # changes here is a submodule without any: the activation.
+        net = _SwappedActivation().double().to(TORCH_DEVICE)
+        swapped, attribute = [net.act, nn.Sigmoid()], "act"
+        f, params = t2j_ad.jaxify_module(net, compile="graph")
+        step = jax.jit(jax.value_and_grad(f, argnums=1))
+        run = lambda x: step(params, x)  # noqa: E731
+
+        def loss(x):
+            return net(x)
+
+    graphs = []
+    for i in range(4):
+        setattr(net, attribute, swapped[i % 2])
+        value, grad = run(x)
+        expected_grad, expected_value = torch.func.grad_and_value(loss)(to_torch(x))
+        np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
+        np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10, atol=1e-12)
+        graphs.append(f.compile_stats()["graphs"])
+    assert graphs[1] == graphs[-1] > graphs[0]  # each swap back takes back that submodule's graphs
