@@ -132,6 +132,21 @@ def _effects_finder(
     return lambda: infer_outputs(raw, in_avals, name, device, modules, dicts).effects
 
 
+def _structure_holds(base: BaseFn, with_its_tensors: bool = False) -> bool:
+    """Whether the modules and names ``base``'s function refers to hold what
+    they held when its signature was resolved (``with_its_tensors``: each
+    parameter and buffer too, for a signature set aside: NOTE [a structure
+    seen before]), and, where its own run binds submodules, whether a trial
+    run with its flags as they are now binds those it bound then (NOTE [a
+    submodule switched by its own forward] in module_structure.py)."""
+    structure = base.structure
+    if not (structure.holds_with_its_tensors() if with_its_tensors else structure.holds()):
+        return False
+    if base.find_effects is None or not structure.binds_its_own_submodules():
+        return True
+    return structure.binds_as_before(base.find_effects)
+
+
 def _input_names(in_tree: Any, n: int) -> tuple[str, ...]:
     """The key path of each of the ``n`` flat inputs of ``(args, kwargs)``
     trees ``in_tree``, as ``args[0]['weight']``, for errors that name one."""
@@ -333,7 +348,8 @@ class JaxifiedFunction:
             # NOTE [inference on the call's device] in inference.py
             call_on = torch_device(call_device(arrays))
             try:
-                inferred = infer_outputs(raw, in_avals, self.name, call_on, modules, dicts)
+                with structure.noting_its_own_bindings():  # NOTE [a submodule switched by its own forward]
+                    inferred = infer_outputs(raw, in_avals, self.name, call_on, modules, dicts)
             except InputMutationError as err:
                 if err.mutated is None:
                     raise
@@ -462,10 +478,10 @@ class JaxifiedFunction:
         key = (in_tree, in_avals, jax.config.jax_enable_x64)
         entry = self._cache.get(key)
         # NOTE [a submodule replaced after a call] in module_structure.py
-        if entry is None or not entry.base.structure.holds():
+        if entry is None or not _structure_holds(entry.base):
             with self._lock:
                 entry = self._cache.get(key)
-                if entry is None or not entry.base.structure.holds():
+                if entry is None or not _structure_holds(entry.base):
                     entry = self._resolved_again(key, entry, in_tree, in_avals, arrays)
                     self._cache[key] = entry
         return entry, arrays
@@ -478,7 +494,7 @@ class JaxifiedFunction:
         module_structure.py), else resolved afresh; ``left``, the one whose
         structure changed, is set aside. Called under ``self._lock``."""
         set_aside = self._set_aside.setdefault(key, [])
-        entry = next((e for e in set_aside if e.base.structure.holds_with_its_tensors()), None)
+        entry = next((e for e in set_aside if _structure_holds(e.base, with_its_tensors=True)), None)
         if entry is not None:
             set_aside.remove(entry)
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import jax
@@ -1135,3 +1136,137 @@ def test_a_graph_under_jit_is_not_used_for_a_submodule_swapped_in(x64, wrap):
         np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10, atol=1e-12)
         graphs.append(f.compile_stats()["graphs"])
     assert graphs[1] == graphs[-1] > graphs[0]  # each swap back takes back that submodule's graphs
+
+
+class _SwitchesItsHead(nn.Module):
+    """Binds its head by name on every call, picked by a flag it reads: a
+    deterministic linear head, or a dropout (training mode) before one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.heads = nn.ModuleList([nn.Linear(4, 2), nn.Sequential(nn.Dropout(0.5), nn.Linear(4, 2))])
+        self.k = 0
+
+    def forward(self, x):
+        self.active = self.heads[self.k]
+        return self.active(torch.tanh(self.lin(x)))
+
+
+def _switching_value_and_grad(net, twin, how, compile, transform):
+    """``transform`` (``value_and_grad``, ``grad``, or ``value_and_grad``
+    under ``jax.jit``) of the squared sum of ``net``'s output, jaxified as
+    ``how`` says: a maker of its call; and the reference, ``torch.func`` on
+    ``twin``, a copy of ``net`` with its flag (a call of ``net`` itself
+    would bind its head, which t2j_ad's next call would see)."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 3)))
+    if how == "jaxify":
+        loss, argument = t2j_ad.jaxify(lambda x: (net(x) ** 2).sum(), compile=compile), x
+
+        def reference():
+            return torch.func.grad_and_value(lambda t: (twin(t) ** 2).sum())(to_torch(x))
+
+    else:
+        apply, params = t2j_ad.jaxify_module(net, compile=compile)
+        loss, argument = (lambda p: (apply(p, x) ** 2).sum()), params
+        torch_params = {name: to_torch(p) for name, p in params.items()}
+
+        def reference():
+            grads, value = torch.func.grad_and_value(
+                lambda p: (torch.func.functional_call(twin, p, (to_torch(x),)) ** 2).sum()
+            )(torch_params)
+            return {name: g for name, g in grads.items()}, value
+
+    def made_now():
+        """The transform's call, a ``jax.jit`` traced after the flag was set
+        (one traced before is refused: it keeps the calls its trace bound)."""
+        derivative = jax.grad(loss) if transform == "grad" else jax.value_and_grad(loss)
+        if transform == "jit":
+            derivative = jax.jit(lambda a: jax.value_and_grad(loss)(a))
+
+        def call():
+            out = derivative(argument)
+            return (None, out) if transform == "grad" else out
+
+        return call
+
+    return made_now, reference
+
+
+@pytest.mark.parametrize("transform", ["value_and_grad", "grad", "jit"])
+@pytest.mark.parametrize("how", ["jaxify", "jaxify_module"])
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_head_the_forward_switches_by_a_flag_is_right_on_the_first_call_after_the_flag(
+    x64, monkeypatch, compile, how, transform
+):
+    """NOTE [a submodule switched by its own forward]: after ``net.k = 1``
+    the first value_and_grad (grad) was refused in eager mode (its value
+    call bound the dropout head after the derivative's rule was traced), and
+    in graph mode gave the old head's value and gradient, silently, until
+    some eager run of ``net`` bound the head; a ``jax.jit`` traced after
+    the flag went back was refused, or (graph) wrong. Each call is held
+    against torch.func on a copy of ``net`` with the same flag, from the
+    same seed: one mask for value and gradient."""
+    resolved = []
+    original = t2j_ad.api.JaxifiedFunction._resolve
+    monkeypatch.setattr(
+        t2j_ad.api.JaxifiedFunction, "_resolve", lambda self, *a: resolved.append(1) or original(self, *a)
+    )
+    torch.manual_seed(0)
+    net = _SwitchesItsHead().double().to(TORCH_DEVICE)
+    twin = copy.deepcopy(net)
+    made_now, reference = _switching_value_and_grad(net, twin, how, compile, transform)
+    for step, k in enumerate([0, 1, 1, 0, 1]):  # a jax.jit made each step: a new trace
+        net.k = twin.k = k
+        call = made_now()
+        resolved.clear()
+        for seed in (10 * step, 10 * step + 1):  # the first call after the flag, and the next
+            torch.manual_seed(seed)
+            value, grad = call()
+            torch.manual_seed(seed)
+            expected_grad, expected_value = reference()
+            if value is not None:
+                np.testing.assert_allclose(value, to_numpy(expected_value), rtol=1e-12)
+            assert_tree_allclose(grad, jax.tree_util.tree_map(to_numpy, expected_grad), rtol=1e-10, atol=1e-12)
+        # A flag switched is a signature resolved once, not once per call
+        # (the first: once more, since its trial run bound ``active`` first).
+        assert len(resolved) <= (2 if step == 0 else 1), (step, len(resolved))
+
+
+def test_a_head_the_caller_switches_between_a_value_call_and_its_derivative_is_still_refused(x64):
+    """The guard NOTE [a submodule switched by its own forward] keeps: a
+    forward that binds its head by a flag, whose value call drew (the
+    dropout head), and the caller replacing that head before the
+    derivative: the derivative would run a head that draws nothing (or
+    other numbers), so it is refused, naming the change."""
+    torch.manual_seed(0)
+    net = _SwitchesItsHead().double().to(TORCH_DEVICE)
+    net.k = 1
+    f = t2j_ad.jaxify(lambda x: (net(x) ** 2).sum())
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 3)))
+    jax.value_and_grad(f)(x)
+    _, pullback = jax.vjp(f, x)
+    net.heads[1] = nn.Linear(4, 2).double().to(TORCH_DEVICE)
+    with pytest.raises(Exception, match="had a submodule replaced"):
+        jax.block_until_ready(pullback(jnp.ones(())))
+
+
+def test_a_forward_that_switches_its_head_makes_no_trial_run_while_its_flags_hold(monkeypatch):
+    """NOTE [a submodule switched by its own forward]: the trial run that
+    shows what the forward binds now is made only after a flag of the
+    module that binds changed (one on every call cost a plain call 50x)."""
+    net = _SwitchesItsHead().to(TORCH_DEVICE)
+    f = t2j_ad.jaxify(lambda x: net(x))
+    x = jnp.ones((2, 3))
+    f(x)
+    f(x)
+    trial_runs = []
+    original = t2j_ad.api.infer_outputs
+    monkeypatch.setattr(t2j_ad.api, "infer_outputs", lambda *a, **k: trial_runs.append(1) or original(*a, **k))
+    for _ in range(3):
+        f(x)
+    assert not trial_runs
+    net.k = 1
+    f(x)
+    f(x)
+    assert len(trial_runs) == 2  # the one that shows the head switched, then the new signature's inference
