@@ -211,6 +211,13 @@ def _globals_read(hook: Any) -> tuple[Any, ...]:
     return tuple(function.__globals__.get(name, _EMPTY_CELL) for name in sorted(_names_read(function.__code__)))
 
 
+def _cells_read(hook: Any) -> list[Any]:
+    """What ``hook``'s closure holds now (nothing for a hook that is no
+    function or method)."""
+    function = getattr(hook, "__func__", hook)
+    return _cell_contents(function) if isinstance(function, types.FunctionType) else []
+
+
 def _same_values(a: Iterable[Any], b: Iterable[Any]) -> bool:
     a, b = list(a), list(b)
     return len(a) == len(b) and all(map(_same_value, a, b))
@@ -250,18 +257,23 @@ class SameHook:
     seen; it keeps the hook alive, so no other object takes its id
     meanwhile."""
 
-    __slots__ = ("hook", "globals_read")
+    __slots__ = ("hook", "globals_read", "cells_read")
 
     def __init__(self, hook: Any) -> None:
         self.hook = hook
         # Read now: the hook reads them when it runs, and a graph keeps them.
         self.globals_read = _globals_read(hook)
+        # Its closure's contents now too: hooks made again by one call of
+        # the function around them share its cells, so comparing the cells
+        # as they are later finds them alike whatever they held.
+        self.cells_read = _cells_read(hook)
 
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, SameHook)
             and same_hook(self.hook, other.hook)
             and _same_values(self.globals_read, other.globals_read)
+            and _same_values(self.cells_read, other.cells_read)
         )
 
     def __hash__(self) -> int:

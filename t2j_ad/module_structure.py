@@ -112,7 +112,11 @@ plain numbers and strings, and so each global it names: ``lambda m, a, o:
 o * 2`` defined again in the loop is the same hook, ``lambda m, a, o: o *
 scale`` after ``scale`` changed is not, whether ``scale`` is a global or
 a variable it closes over, since a graph traced with the hook holds the
-number), or a method bound again to the same object; with its
+number; the globals and the closure's contents are read when the hook is
+seen, since hooks made again by one call of an enclosing function share
+its cells: ``for s in (2.0, 3.0): h = lin.register_forward_hook(lambda m,
+a, o: o * s)`` compared alike, and a graph kept 2.0), or a method bound
+again to the same object; with its
 flags (``with_kwargs``, ``always_call``, a full backward hook or not), in
 its table's order. A call that finds a hook's handle gone therefore
 compares the structure, and where the same hooks are back in the same

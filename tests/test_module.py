@@ -962,6 +962,43 @@ def test_a_hook_registered_and_removed_around_every_call_keeps_its_signature(x64
     assert len(resolved) == 1
 
 
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_hooks_made_again_in_one_loop_are_compared_by_what_their_closure_held(x64, compile):
+    """``for s in (2.0, 3.0): h = lin.register_forward_hook(lambda m, a, o:
+    o * s)``: the lambdas of one call of the loop's function share its cell,
+    so comparing the cells as they are later found the second hook the same
+    as the first; a graph kept 2.0 (and in eager mode a dropout hook with
+    its rate from the loop took two masks). The closure is read when the
+    hook is seen (NOTE [a hook registered again], the review of the twenty-
+    first session)."""
+    net = _sequential_net()
+
+    def loss(x):
+        return (net(x) ** 2).sum()
+
+    value_and_grad = jax.value_and_grad(t2j_ad.jaxify(loss, compile=compile))
+    x = jnp.array([0.3, -1.2, 0.7])
+    for scale in (2.0, 3.0, 3.0, torch.tensor(4.0, dtype=torch.float64), torch.tensor(5.0, dtype=torch.float64)):
+        handle = net[2].register_forward_hook(lambda module, args, output: output * scale)
+        try:
+            _assert_value_and_grad_as_torch_func(value_and_grad, loss, x)
+        finally:
+            handle.remove()
+    for p in (0.0, 0.5):
+        handle = net[2].register_forward_hook(
+            lambda module, args, output: torch.nn.functional.dropout(output, p) if p > 0 else output
+        )
+        try:
+            torch.manual_seed(7)
+            value, grad = value_and_grad(x)
+            torch.manual_seed(7)
+            expected_grad, expected_value = torch.func.grad_and_value(loss)(to_torch(x))
+            np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
+            np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10, atol=1e-12)
+        finally:
+            handle.remove()
+
+
 _hook_scale = 2.0
 
 
