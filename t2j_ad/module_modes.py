@@ -72,13 +72,39 @@ them alive, so a new module at a dead one's address never matches), and a
 graph is used only while each table holds them: a swap traces the graph of
 the new head, and a head swapped back takes back its own graph, kept
 beside it under the modules it ran. Checking compares the tables in C, one
-dict comparison per module that held children when traced (a child added
-to a leaf later is one no traced forward calls); on the 81-module network
-of benchmarks/bench_call_latency.py, one table of 80, about 1 us a call.
+dict comparison per module that held children when traced; on the
+81-module network of benchmarks/bench_call_latency.py, one table of 80,
+about 1 us a call. A child given to a module that had none (an empty
+``nn.Sequential`` appended to, which its forward then runs) is seen by
+NOTE [the hooks a graph ran], as any registration is.
 A submodule a forward picks by a flag it reads (``self.act = self.drop
 if self.noisy else self.ident``) is bound by the forward, which a replay
 does not run: the flag is Python state a graph reads once per trace
 (NOTE [a graph per training mode]).
+
+NOTE [the hooks a graph ran]
+A graph holds the ops of the hooks that ran with its modules, and of
+those that rebind their tensors: ``torch.nn.utils.prune`` (a forward
+pre-hook binding ``weight = weight_orig * weight_mask``, NOTE [attributes
+PyTorch's hooks recompute] in real_writes.py) applied after a ``jax.jit``
+of ``value_and_grad`` compiled left the program replaying the unpruned
+graph, silently (-0.7076 where PyTorch gives -0.1963, and an unmasked
+gradient); a hook added or removed, or a child appended to a container
+empty when traced, the same. Without ``jax.jit`` a call resolves its
+signature again (NOTE [a hook added after a call] and NOTE [a submodule
+replaced after a call] in module_structure.py); a compiled program does
+not. So what is recorded of the modules a trace ran is also how many
+submodules, parameters, buffers and hooks had been registered anywhere
+(``module_structure.registrations``, two counters), where their hooks are
+(one dict lookup per hook, to see one removed), and, compared only once
+the counters moved, every module's children and every hook of theirs and
+the global ones as what they run (NOTE [a hook registered again]): a
+graph is used only while those hold, and otherwise the graph for the
+modules as they are now is found or traced, as for a changed training
+flag. A registration elsewhere that changes none of them costs one
+comparison, then the counters are taken as they are. A function that ran
+no module assumes none of this: a global hook added after a ``jax.jit``
+of it compiled is Python state read once per trace (docs/compile-modes.md).
 """
 
 from __future__ import annotations
@@ -93,7 +119,8 @@ from typing import Any
 import torch
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from .module_hooks import own_global_hooks
+from .module_hooks import hooks_still_in_place, own_global_hooks, user_hook_places, user_hooks_seen
+from .module_structure import registrations
 from .references import Same, reachable
 
 _TRAINING = operator.attrgetter("training")
@@ -150,6 +177,9 @@ class ModuleModes:
         "_rates",
         "_parents",
         "_children",
+        "_registered",
+        "_hook_places",
+        "_structure",
     )
 
     def __init__(self, seen: Sequence[tuple[torch.nn.Module, bool, Any]] = ()) -> None:
@@ -175,6 +205,31 @@ class ModuleModes:
         tables = [getattr(module, "__dict__", {}).get("_modules") for module in self.modules]
         self._parents = [attributes for attributes, table in zip(self._attributes, tables) if table]
         self._children = [dict(table) for table in tables if table]
+        # NOTE [the hooks a graph ran]: what was registered anywhere so far,
+        # where the modules' hooks are, and the structure to compare once
+        # something more was registered.
+        self._registered = registrations()
+        self._hook_places = user_hook_places(self.modules)
+        self._structure = self._structure_now()
+
+    def _structure_now(self) -> tuple[Any, ...]:
+        """Every module's children, and its hooks and the global ones as what
+        they run (NOTE [the hooks a graph ran])."""
+        children = tuple(dict(getattr(module, "__dict__", {}).get("_modules") or {}) for module in self.modules)
+        return children, tuple(map(user_hooks_seen, (*self.modules, None)))
+
+    def _structure_holds(self) -> bool:
+        """Whether the modules hold the children and hooks they held, where
+        something was registered since (NOTE [the hooks a graph ran]); if
+        so, nothing is compared again until something more is."""
+        if self._registered == registrations():
+            return True
+        registered = registrations()
+        if self._structure_now() != self._structure:
+            return False
+        self._registered = registered
+        self._hook_places = user_hook_places(self.modules)
+        return True
 
     def _children_now(self) -> list[Any]:
         """The table of children (``_modules``) of each module that held
@@ -207,6 +262,8 @@ class ModuleModes:
             and _class_forwards(self._classes) == self._class_forwards
             and (not self._rated or self._rates_now() == self._rates)
             and self._children_now() == self._children
+            and (not self._hook_places or hooks_still_in_place(self._hook_places))
+            and self._structure_holds()
         )
 
     def now(self) -> tuple[Any, ...]:

@@ -186,7 +186,7 @@ _module_hooks.register_module_parameter_registration_hook(_count)
 _module_hooks.register_module_buffer_registration_hook(_count)
 
 
-def _registrations() -> tuple[int, int]:
+def registrations() -> tuple[int, int]:
     """How many submodules, parameters and buffers, and how many hooks, have
     been registered so far (NOTE [a hook added after a call])."""
     return _registered[0], user_hooks_registered()
@@ -317,7 +317,7 @@ class StructureSeen:
 
     def __init__(self, modules: Sequence[Any], bindings: BindingsSeen | None = None) -> None:
         self._modules = tuple(modules)
-        self._registered = _registrations()
+        self._registered = registrations()
         submodules = _submodules(self._modules)
         self._structure = _structure(submodules)
         # NOTE [a structure seen before]: the objects, not only their ids.
@@ -410,7 +410,7 @@ class StructureSeen:
     def holds(self) -> bool:
         if self._bindings is not None and not self._bindings.hold():
             return False
-        registered = _registrations()
+        registered = registrations()
         # NOTE [a hook removed after a call]
         if registered == self._registered and (not self._hooks or hooks_still_in_place(self._hooks)):
             return True

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.utils.prune as prune
 from conftest import TORCH_DEVICE, assert_tree_allclose, run_in_threads, to_numpy, to_torch
 
 import t2j_ad
@@ -1307,3 +1308,64 @@ def test_a_forward_that_switches_its_head_makes_no_trial_run_while_its_flags_hol
     f(x)
     f(x)
     assert len(trial_runs) == 2  # the one that shows the head switched, then the new signature's inference
+
+
+def _jitted_value_and_grad_as_pytorch(step, net: nn.Module, x: jax.Array) -> None:
+    value, grad = step(x)
+    tx = to_torch(x).requires_grad_()
+    expected = (net(tx) ** 2).sum()
+    (expected_grad,) = torch.autograd.grad(expected, tx)
+    np.testing.assert_allclose(value, expected.item(), rtol=1e-12)
+    np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_layer_pruned_after_jit_compiled_is_run_pruned(x64, compile):
+    """``torch.nn.utils.prune`` applied between steps of a compiled
+    ``jax.jit(jax.value_and_grad(f))``: its program replayed the unpruned
+    graph, silently (-0.7076 where PyTorch gives -0.1963, and an unmasked
+    gradient), since a graph assumed nothing of the hooks its modules have
+    (NOTE [the hooks a graph ran]); then ``prune.remove`` makes the pruned
+    weight a plain parameter again."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1)).double().to(TORCH_DEVICE)
+    step = jax.jit(jax.value_and_grad(t2j_ad.jaxify(lambda x: (net(x) ** 2).sum(), compile=compile)))
+    x = jnp.array([0.5, -1.0, 0.25, 2.0])
+    _jitted_value_and_grad_as_pytorch(step, net, x)
+    prune.custom_from_mask(net[0], "weight", torch.tensor([[1.0, 0.0, 0.0, 1.0]] * 3, device=TORCH_DEVICE))
+    _jitted_value_and_grad_as_pytorch(step, net, x)
+    prune.l1_unstructured(net[2], "weight", amount=0.5)
+    _jitted_value_and_grad_as_pytorch(step, net, x)
+    prune.remove(net[0], "weight")
+    _jitted_value_and_grad_as_pytorch(step, net, x)
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_hook_or_a_child_added_after_jit_compiled_is_run(x64, compile):
+    """Under a compiled ``jax.jit``, a forward hook added to a module the
+    graph ran, then removed, and a child appended to an ``nn.Sequential``
+    that was empty when traced (which its forward then runs): the graph
+    kept replaying what it traced (0.524 where PyTorch gives 0.931 for the
+    child) (NOTE [the hooks a graph ran]). A hook registered again that
+    does the same keeps the graph traced with it."""
+    torch.manual_seed(0)
+    extra = nn.Sequential()
+    net = nn.Sequential(nn.Linear(3, 3), extra).double().to(TORCH_DEVICE)
+    f = t2j_ad.jaxify(lambda x: (net(x) ** 2).sum(), compile=compile)
+    step = jax.jit(jax.value_and_grad(f))
+    x = jnp.array([1.0, -0.5, 0.25])
+    _jitted_value_and_grad_as_pytorch(step, net, x)
+    handle = net[0].register_forward_hook(_doubling_hook)
+    _jitted_value_and_grad_as_pytorch(step, net, x)
+    handle.remove()
+    _jitted_value_and_grad_as_pytorch(step, net, x)
+    handle = net[0].register_forward_hook(_doubling_hook)
+    _jitted_value_and_grad_as_pytorch(step, net, x)
+    graphs = f.compile_stats()["graphs"]
+    handle.remove()
+    handle = net[0].register_forward_hook(_doubling_hook)
+    _jitted_value_and_grad_as_pytorch(step, net, x)
+    assert f.compile_stats()["graphs"] == graphs  # the same hook again: no trace
+    handle.remove()
+    extra.append(nn.Linear(3, 3).double().to(TORCH_DEVICE))
+    _jitted_value_and_grad_as_pytorch(step, net, x)
