@@ -60,7 +60,10 @@ call after the flag changed is then right, as a call after the caller
 switched the name is, in every compile mode. A trial run on every lookup
 cost a small module's plain call 50x (9 ms instead of 0.18 ms); with the
 flags compared first, one dict scan per lookup, and the trial run only
-after a flag changed. A flag read elsewhere (a global, ``self.cfg.noisy``)
+after a flag changed. An attribute that changed while the trial run bound
+as before is no flag from then on: a step counter the forward keeps
+(``self.calls += 1``) beside the flag made a trial run on every call
+(4-6x a plain call). A flag read elsewhere (a global, ``self.cfg.noisy``)
 is not compared: its first call after a change is refused, or in graph
 mode keeps the old head, as before. A flag switched back and forth infers
 (and in graph mode traces) again on each switch.
@@ -281,13 +284,32 @@ def _same_bindings(now: _OwnBindings, before: _OwnBindings) -> bool:
 _FLAG_TYPES = (bool, int, float, str, type(None))
 
 
-def _flags_of(modules: Sequence[Any]) -> tuple[tuple[tuple[str, Any], ...], ...]:
+def _flags_of(modules: Sequence[Any], not_flags: frozenset[str] = frozenset()) -> tuple[tuple[tuple[str, Any], ...], ...]:
     """The plain attributes of ``modules`` that hold a bool, number, string
-    or None (``self.noisy``, ``self.k``), by name, in order."""
+    or None (``self.noisy``, ``self.k``), by name, in order; but those named
+    in ``not_flags`` (``"index.name"``: attributes found to change without
+    changing what the function binds, a step counter)."""
     return tuple(
-        tuple((name, value) for name, value in vars(module).items() if type(value) in _FLAG_TYPES)
-        for module in modules
+        tuple(
+            (name, value)
+            for name, value in vars(module).items()
+            if type(value) in _FLAG_TYPES and f"{i}.{name}" not in not_flags
+        )
+        for i, module in enumerate(modules)
     )
+
+
+def _changed(before: tuple[Any, ...], now: tuple[Any, ...]) -> frozenset[str]:
+    """The attributes (``"index.name"``) whose value differs between two
+    ``_flags_of`` readings, or that only one of them has."""
+    changed: set[str] = set()
+    for i, (a, b) in enumerate(zip(before, now)):
+        was, is_now = dict(a), dict(b)
+        changed |= {f"{i}.{name}" for name in was.keys() | is_now.keys() if was.get(name, _NONE) != is_now.get(name, _NONE)}
+    return frozenset(changed)
+
+
+_NONE = object()  # an attribute one reading has and the other not
 
 
 class ModuleChangedError(TypeError):
@@ -313,6 +335,7 @@ class StructureSeen:
         "_own_bindings",
         "_binders",
         "_flags",
+        "_not_flags",
     )
 
     def __init__(self, modules: Sequence[Any], bindings: BindingsSeen | None = None) -> None:
@@ -333,6 +356,7 @@ class StructureSeen:
         self._own_bindings: _OwnBindings = {}
         self._binders: tuple[Any, ...] = ()
         self._flags: tuple[Any, ...] = ()
+        self._not_flags: frozenset[str] = frozenset()
 
     @contextlib.contextmanager
     def noting_its_own_bindings(self) -> Iterator[None]:
@@ -345,7 +369,7 @@ class StructureSeen:
         own = self._of_its_modules(made)
         self._binders = tuple({id(module): module for module, _, _ in own}.values())
         self._own_bindings = {(id(module), name): sub for module, name, sub in own}
-        self._flags = _flags_of(self._binders)
+        self._flags = _flags_of(self._binders, self._not_flags)
 
     def binds_its_own_submodules(self) -> bool:
         """Whether the function's own run binds submodules to its modules
@@ -359,7 +383,7 @@ class StructureSeen:
         else as ``trial_run``, a trial run of the function with the flags as
         they are now, binds; a run that fails binds otherwise (the
         signature is resolved again, and names the failure)."""
-        flags = _flags_of(self._binders)
+        flags = _flags_of(self._binders, self._not_flags)
         if flags == self._flags:
             return True
         with _bindings_made() as made:
@@ -370,7 +394,11 @@ class StructureSeen:
         now = {(id(module), name): sub for module, name, sub in self._of_its_modules(made)}
         if not _same_bindings(now, self._own_bindings):
             return False
-        self._flags = flags  # these flags bind as those did: no trial run for them next time
+        # What changed without changing the bindings is no flag, but state
+        # the forward keeps (``self.step += 1``): compared on, it would
+        # cost a trial run on every call.
+        self._not_flags |= _changed(self._flags, flags)
+        self._flags = _flags_of(self._binders, self._not_flags)
         return True
 
     def _of_its_modules(self, made: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:

@@ -1310,6 +1310,44 @@ def test_a_forward_that_switches_its_head_makes_no_trial_run_while_its_flags_hol
     assert len(trial_runs) == 2  # the one that shows the head switched, then the new signature's inference
 
 
+class _SwitchesItsHeadAndCounts(_SwitchesItsHead):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+def test_a_counter_beside_the_flag_costs_one_trial_run_not_one_per_call(x64, monkeypatch):
+    """A forward that binds its head by a flag and keeps a plain counter
+    (``self.calls += 1``): every attribute was compared as a flag, so every
+    call found one changed and made a trial run (4-6x a plain call, the
+    review of the twenty-first session). An attribute that changed while
+    the bindings stayed is no flag from then on (NOTE [a submodule switched
+    by its own forward]); a flag that then changes is still seen."""
+    torch.manual_seed(0)
+    net = _SwitchesItsHeadAndCounts().double().to(TORCH_DEVICE)
+    net.heads[1][0].p = 0.0  # deterministic, so PyTorch's value is the reference
+    f = t2j_ad.jaxify(lambda x: (net(x) ** 2).sum())
+    x = jnp.ones((2, 3))
+    f(x)
+    f(x)
+    trial_runs = []
+    original = t2j_ad.api.infer_outputs
+    monkeypatch.setattr(t2j_ad.api, "infer_outputs", lambda *a, **k: trial_runs.append(1) or original(*a, **k))
+    for _ in range(4):
+        f(x)
+    assert len(trial_runs) <= 1  # the first finds the counter moved, and nothing else
+    trial_runs.clear()
+    net.k = 1
+    value = f(x)
+    assert trial_runs  # the flag is still compared
+    expected = (net(to_torch(x)) ** 2).sum()
+    np.testing.assert_allclose(value, expected.item(), rtol=1e-12)
+
+
 def _jitted_value_and_grad_as_pytorch(step, net: nn.Module, x: jax.Array) -> None:
     value, grad = step(x)
     tx = to_torch(x).requires_grad_()
