@@ -564,7 +564,7 @@ def _bases_of(entry: _Signature) -> list[BaseFn]:
 
 def _stats_of(bases: Iterable[BaseFn]) -> dict[str, float]:
     """``compile_stats()`` of the artifacts ``bases`` made."""
-    artifacts = [a for base in bases for a in graph_mode.artifacts(base)]
+    artifacts = [a for base in bases for a in (*graph_mode.artifacts(base), *graph_mode.dropped(base))]
     return {
         "graphs": sum(a.run is not None for a in artifacts),
         "eager_fallbacks": sum(a.run is None for a in artifacts),

@@ -665,6 +665,7 @@ def artifact_for(
             artifact, first = _build_artifact(mode, impl, base, inputs, grad_enabled, out_specs)
         artifact.modes = recorder.modes()
         cache[(*where, tuple((id(m), flag) for m, flag in artifact.modes), artifact.modes.rates())] = artifact
+        _drop_the_oldest(base, cache, where)
     if isinstance(first, FirstRunNotUndone):
         raise first
     return artifact, first
@@ -705,8 +706,50 @@ def _retraced_for_layouts(base: Any, where: tuple[Any, Any]) -> int:
 
 
 def artifacts(base: Any) -> list[Artifact]:
-    """Every artifact made so far for ``base``'s TorchFns."""
+    """Every artifact made so far for ``base``'s TorchFns and kept (NOTE
+    [how many graphs a function keeps])."""
     return list(base.__dict__.get("graphs", {}).values())
+
+
+def dropped(base: Any) -> list[Artifact]:
+    """The artifacts ``_drop_the_oldest`` dropped for ``base``'s TorchFns,
+    without their graphs: what ``compile_stats()`` still counts."""
+    return list(base.__dict__.get("graphs_dropped", ()))
+
+
+# NOTE [how many graphs a function keeps]
+# A function's graphs are kept per transform stack and device, one for each
+# setting of what they assumed (training flags, forwards, children, hooks:
+# NOTE [a graph per training mode], NOTE [the submodules a graph ran]), so
+# that a setting that comes back takes back its graph. A compiled jax.jit
+# program given a fresh head every step (``net[2] = nn.Linear(...)``, a
+# sweep) traced one more on every step, and kept every one with its head
+# alive: 4.3 MB a step for a 1024 x 1024 head, without end. So each
+# transform stack and device keeps the graphs of its last few settings
+# (``_GRAPHS_KEPT``), dropping the oldest; ``compile_stats()`` still
+# counts what the dropped ones cost.
+_GRAPHS_KEPT = 8
+
+
+def _drop_the_oldest(base: Any, cache: dict[Any, Artifact], where: tuple[Any, Any]) -> None:
+    """Keep ``_GRAPHS_KEPT`` traced artifacts of ``where`` in ``cache``, the
+    newest (NOTE [how many graphs a function keeps])."""
+    traced = [key for key in cache if key[:2] == where and len(key) == 4]
+    for key in traced[: max(0, len(traced) - _GRAPHS_KEPT)]:
+        old = cache.pop(key)
+        base.__dict__.setdefault("graphs_dropped", []).append(_without_its_graph(old))
+
+
+def _without_its_graph(artifact: Artifact) -> Artifact:
+    """What ``compile_stats()`` counts of ``artifact``: whether it ran a
+    graph, and what its trace and compile cost."""
+    kept = Artifact(None if artifact.run is None else _dropped_graph, artifact.reason, artifact.traced)
+    kept.trace_seconds, kept.compile_seconds = artifact.trace_seconds, artifact.compile_seconds
+    return kept
+
+
+def _dropped_graph(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    raise RuntimeError("t2j_ad: a dropped graph was run (NOTE [how many graphs a function keeps])")
 
 
 # Words in a trace's failure that say it read a tensor's value into Python
