@@ -103,6 +103,14 @@ def _has_storage(tensor: torch.Tensor) -> bool:
     return tensor.layout == torch.strided and not tensor._is_zerotensor()
 
 
+# The tensors whose in-place writes a run notes and puts back: plain ones and
+# parameters (a bare ``nn.Parameter`` an EMA updates in place, a weight a
+# one-shot initialization hook scales: not put back, a trial run's write
+# stayed, three times over on a first call); not the subclasses a trace or
+# a transform wraps them in.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 class RealWritesUndone(TorchDispatchMode):
     """Within the block, note each real tensor's value before its first
     in-place write; on leaving it, put every noted value back. Also tells
@@ -136,7 +144,7 @@ class RealWritesUndone(TorchDispatchMode):
     def _note_written(self, written: torch.Tensor) -> None:
         self._note_state(written)
         if (
-            type(written) is torch.Tensor
+            type(written) in _PLAIN_TENSORS
             and written.device.type != "meta"
             and id(written) not in self.saved
             and not self._made_here(written)  # a temporary of the run: nothing to put back
@@ -164,7 +172,7 @@ class RealWritesUndone(TorchDispatchMode):
         if owner is not None:
             self._in_modules.setdefault((id(owner[0]), owner[1]), (*owner, whole.shape, whole.dtype))
         elif (
-            type(whole) is torch.Tensor
+            type(whole) in _PLAIN_TENSORS
             and whole.device.type != "meta"
             and whole.layout == torch.strided  # a sparse tensor has no storage to compare
             and whole.numel()

@@ -1325,3 +1325,55 @@ def test_a_hook_that_removes_itself_runs_in_the_first_real_call(mode):
             np.testing.assert_allclose(np.asarray(got), to_numpy(expected), rtol=1e-5, atol=1e-6)
     assert torch.allclose(module.scale, reference.scale)
     assert len(module._forward_pre_hooks) == 0
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_parameter_written_in_place_is_updated_once_per_call(x64, compile):
+    """An ``nn.Parameter`` updated in place (an EMA kept as a parameter): the
+    trial runs put back writes into plain tensors only, so on the first call
+    it was updated three or four times (the review of the twentieth
+    session). Held against the same updates made by PyTorch, once per
+    call."""
+    torch.manual_seed(0)
+    ema = torch.nn.Parameter(torch.ones(3, dtype=torch.float64, device=TORCH_DEVICE))
+    expected = ema.detach().clone()
+
+    def f(x):
+        with torch.no_grad():
+            ema.mul_(0.5).add_(x, alpha=0.5)
+        return (ema * x).sum()
+
+    jf = t2j_ad.jaxify(f, compile=compile)
+    for step in range(3):
+        x = jnp.arange(3.0) + step
+        value = jf(x)
+        expected.mul_(0.5).add_(to_torch(x), alpha=0.5)
+        np.testing.assert_allclose(value, (expected * to_torch(x)).sum().item(), rtol=1e-12)
+        np.testing.assert_allclose(to_numpy(ema.detach()), to_numpy(expected), rtol=1e-12)
+
+
+def test_a_one_shot_initialization_scaling_a_weight_runs_once(x64):
+    """A pre-hook that scales a layer's weight by the first batch's spread
+    in place, then removes itself (LSUV-style): its write in the trial runs
+    stayed, so the weight was scaled again and again, to inf, and every
+    output was NaN (the review of the twentieth session). Held against the
+    same hook in PyTorch."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3).double().to(TORCH_DEVICE)
+    twin = copy.deepcopy(lin)
+
+    def register(module):
+        def init(m, args):
+            with torch.no_grad():
+                m.weight.mul_(1.0 / args[0].std())
+            handle.remove()
+
+        handle = module.register_forward_pre_hook(init)
+
+    register(lin)
+    register(twin)
+    f = t2j_ad.jaxify(lambda x: lin(x))
+    x = jnp.asarray(np.random.RandomState(1).randn(4, 3))
+    for _ in range(2):
+        np.testing.assert_allclose(f(x), to_numpy(twin(to_torch(x)).detach()), rtol=1e-12)
+    np.testing.assert_allclose(to_numpy(lin.weight.detach()), to_numpy(twin.weight.detach()), rtol=1e-12)
