@@ -30,8 +30,9 @@ eager derivatives of a function that drew nothing at ``p = 0`` drew afresh
 at 0.5 rather than replaying the value's draws: ``jax.value_and_grad`` took
 the gradient through another mask than the value's (off by 0.67),
 silently. So what is recorded of a dropout module (``nn.Dropout`` and its
-kin) is its flag and its rate, and of a ``MultiheadAttention`` its flag
-and its ``dropout``: a changed rate is a changed mode, with a graph and
+kin) is its flag and its rate, and of a ``MultiheadAttention`` or a
+recurrent module (``nn.LSTM``, ``GRU``, ``RNN``, which drop out between
+stacked layers) its flag and its ``dropout``: a changed rate is a changed mode, with a graph and
 effects of its own. Checking reads one attribute per such module per call;
 modules of other kinds add nothing.
 
@@ -138,7 +139,11 @@ def _own_forward(module: torch.nn.Module) -> Any:
 
 # The modules whose forward reads a rate of dropout, and that attribute's
 # name (NOTE [a dropout's rate is part of its mode]).
-_RATED = ((torch.nn.modules.dropout._DropoutNd, "p"), (torch.nn.MultiheadAttention, "dropout"))
+_RATED = (
+    (torch.nn.modules.dropout._DropoutNd, "p"),
+    (torch.nn.MultiheadAttention, "dropout"),
+    (torch.nn.RNNBase, "dropout"),  # between the layers of a stacked LSTM, GRU or RNN
+)
 
 
 def _rate_attribute(module: torch.nn.Module) -> str | None:
