@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .jax_in_traces import note_jax_inside
+from .kept_inputs import note_callers_view
 
 # The dtypes t2j_ad carries across the boundary. Anything else is refused with
 # an error rather than silently cast (DESIGN.md, "Contract for bad input").
@@ -198,7 +199,7 @@ def j2t(x: Any) -> torch.Tensor:
     x, _ = single_device(x)
     torch_dtype(x.dtype)  # refuse unsupported dtypes with our message
     note_jax_inside("converts a JAX array to a tensor (t2j_ad.tree_j2t)")  # NOTE [JAX inside a trace]
-    return torch.from_dlpack(x)
+    return note_callers_view(torch.from_dlpack(x))  # NOTE [the caller's own views] in kept_inputs.py
 
 
 def copy_to_torch(x: Any) -> torch.Tensor:

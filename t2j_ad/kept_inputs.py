@@ -61,6 +61,19 @@ anything keeping the input does (NumPy's array holds ``x.detach()``), so the
 look counts the input as kept; the holder itself is told apart only by
 looking for it (``held_by_address``): among the tensors in Python's two
 younger generations (what the call made, unless a collection moved it:
+NOTE [the caller's own views]
+A collection during the call can move a caller's tensor after the mark
+(NOTE [what the call made, in Python's generation lists]): the caller's
+``tree_j2t`` view, held by a dict made after it, with about 700 container
+allocations in the call, which real functions make, was taken for a holder
+the call made, and a streaming function's call failed, naming NumPy arrays
+it never made (the review of the twentieth session). So ``j2t`` and
+``tree_j2t`` note what they hand out (``note_callers_view``, a weak set),
+and the look passes over those: a view of a JAX array the caller holds
+keeps that array's buffer alive through JAX, and no call made it. A
+caller's own ``torch.from_dlpack(x)`` is not noted, and is told by its
+place in the lists only.
+
 NOTE [a collection during the look's call]), one around the input's memory
 with a storage of its own (not another input's: NOTE [inputs sharing one
 buffer]), or one viewing the input's storage held by more than
@@ -125,7 +138,7 @@ younger generation). A collection can move an object to the end of its
 list (one that only objects of that list reach, listed after it), which
 makes it look newer, never older: the mark, held from outside the lists,
 stays where it is, so a holder the call made is always found; a caller's
-tensor so moved is taken for one, as before.
+tensor so moved would be taken for one (NOTE [the caller's own views]).
 
 NOTE [a collection during the look's call]
 Python's collector moves what survives a collection of its generation 1 to
@@ -150,6 +163,7 @@ each call made already).
 from __future__ import annotations
 
 import gc
+import weakref
 import sys
 from collections.abc import Sequence
 from typing import Protocol
@@ -267,6 +281,31 @@ def held_by_address(inputs: Sequence[torch.Tensor], i: int, mark: object) -> boo
     return look.viewed_unseen()
 
 
+# NOTE [the caller's own views]: the tensors ``t2j_ad.j2t`` and ``tree_j2t``
+# handed out, by id, each weakly (not a WeakSet: it compares a tensor with
+# ``==``, elementwise).
+_callers_views: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def note_callers_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, noted as a view of a JAX array the caller made (NOTE [the
+    caller's own views]): no holder a call made."""
+    key = id(tensor)
+    _callers_views[key] = weakref.ref(tensor, lambda ref, key=key: _forget_view(key, ref))
+    return tensor
+
+
+def _forget_view(key: int, ref: weakref.ref[torch.Tensor]) -> None:
+    if _callers_views.get(key) is ref:  # not a newer tensor's entry at the same address
+        del _callers_views[key]
+
+
+def _a_callers_view(obj: object) -> bool:
+    """Whether ``obj`` is a tensor ``note_callers_view`` noted."""
+    ref = _callers_views.get(id(obj))
+    return ref is not None and ref() is obj
+
+
 class _AddressLook:
     """One look for what holds ``inputs[i]``'s memory by its address, over
     the objects of one generation after another, the youngest first."""
@@ -300,6 +339,8 @@ class _AddressLook:
                 self.mark_seen = True
                 continue
             if not issubclass(type(obj), torch.Tensor) or id(obj) in self.own:  # type(): no __class__ run
+                continue
+            if _a_callers_view(obj):  # NOTE [the caller's own views]
                 continue
             try:
                 address = _storage_address(obj)

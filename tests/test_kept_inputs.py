@@ -282,6 +282,39 @@ def test_a_view_the_caller_holds_of_an_input_is_no_holder_of_its_address(compile
         np.testing.assert_array_equal(mine.numpy(), np.full(4, float(k), np.float32))
     np.testing.assert_array_equal(to_numpy(store["a"]), np.full(4, 4.0, np.float32))
 
+
+
+@pytest.mark.parametrize("collection", ["young", "gc_collect", "allocations"])
+def test_a_view_the_caller_holds_is_no_holder_after_a_collection_during_the_call(collection):
+    """NOTE [the caller's own views]: a streaming function that keeps its
+    input (a tensor, no NumPy) and makes Python objects enough for a
+    collection, while the caller holds its ``tree_j2t`` view in a dict made
+    after it: the collection moved the view after the mark, and the call
+    failed, naming NumPy arrays it never made (the review of the twentieth
+    session)."""
+    collect = {
+        "young": lambda: [[i] for i in range(2000)],
+        "gc_collect": lambda: gc.collect(1),
+        "allocations": lambda: [[i] for i in range(30_000)],
+    }[collection]
+    state: dict = {}
+
+    def f(a):
+        state["prev"] = a.detach()  # keeps its input
+        collect()
+        return a * 2
+
+    jf = t2j_ad.jaxify(f)
+    for k in range(4):
+        x = jnp.full((8,), float(k))
+        view = t2j_ad.tree_j2t(x)
+        log = {"x": view}  # the caller's view, held by a container made after it
+        del view
+        np.testing.assert_array_equal(to_numpy(jf(x)), np.full(8, 2.0 * k, np.float32))
+        np.testing.assert_array_equal(log["x"].numpy(), np.full(8, float(k), np.float32))
+    np.testing.assert_array_equal(to_numpy(state["prev"]), np.full(8, 3.0, np.float32))
+
+
 _COLLECTIONS = {
     "gc_collect": lambda: gc.collect(1),  # what survives it moves to the oldest generation
     "allocations": lambda: [[i] for i in range(30_000)],  # net allocations: Python collects generation 1
