@@ -35,6 +35,12 @@ recurrent module (``nn.LSTM``, ``GRU``, ``RNN``, which drop out between
 stacked layers) its flag and its ``dropout``: a changed rate is a changed mode, with a graph and
 effects of its own. Checking reads one attribute per such module per call;
 modules of other kinds add nothing.
+A rate annealed every step (scheduled dropout) then found the effects
+again on every step, a trial run each (20-30 ms a step where a step took
+1-2 ms): the effects (what a function draws and writes) are kept by
+whether each dropout draws, which changes only at 0 (and 1), while a
+graph, which holds the rate as a constant, is traced per rate (NOTE [how
+many graphs a function keeps] in graph_mode.py bounds how many are kept).
 
 NOTE [a forward replaced after a trace]
 A graph holds the ops of the ``forward`` each module ran when it was
@@ -273,13 +279,21 @@ class ModuleModes:
 
     def now(self) -> tuple[Any, ...]:
         """The training flags and forwards as they are now, by identity (kept
-        alive with what they key): what effects found for them are kept by."""
+        alive with what they key), and whether each dropout draws: what
+        effects found for them are kept by (NOTE [a dropout's rate is part
+        of its mode])."""
         return (
             tuple(map(_TRAINING, self.modules)),
             tuple(Same(forward) for forward in map(_own_forward, self.modules)),
             tuple(Same(forward) for forward in _class_forwards(self._classes)),
-            tuple(self._rates_now()),
+            tuple(map(_how_it_draws, self._rates_now())),
         )
+
+
+def _how_it_draws(rate: Any) -> Any:
+    """What a dropout's rate says of its draws: none at 0 (and at 1, all
+    dropped), else the same draws at any rate between."""
+    return rate if isinstance(rate, (int, float)) and rate in (0, 1) else "between 0 and 1"
 
 
 NO_MODES = ModuleModes()

@@ -283,6 +283,43 @@ def test_a_dropout_rate_set_after_a_call_is_seen(rates, mode):
         assert_tree_allclose((value, grad), (to_numpy(expected_value), to_numpy(expected_grad)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_a_dropout_rate_annealed_every_step_finds_its_effects_once(monkeypatch, use_jit):
+    """``model[1].p = 0.5 - 0.05 * step``: each new rate found the
+    function's effects again, a trial run per step (20-30 ms where a step
+    took 1-2 ms; the review of the twentieth session). Whether a dropout
+    draws changes only at 0 (NOTE [a dropout's rate is part of its mode]);
+    every step is held against PyTorch's own from the same seed."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+    model = model.to(TORCH_DEVICE).train()
+
+    def loss(x):
+        return (model(x) ** 2).sum()
+
+    value_and_grad = jax.value_and_grad(t2j_ad.jaxify(loss))
+    value_and_grad = jax.jit(value_and_grad) if use_jit else value_and_grad
+    jax.block_until_ready(value_and_grad(_X))
+    model[1].p = 0.45
+    jax.block_until_ready(value_and_grad(_X))  # the rates between 0 and 1: one look
+    found = []
+    original = t2j_ad.api.infer_outputs
+    monkeypatch.setattr(t2j_ad.api, "infer_outputs", lambda *a, **k: found.append(1) or original(*a, **k))
+    for step in range(5):
+        model[1].p = 0.4 - 0.05 * step
+        (value, grad), _ = _seeded_run(lambda: value_and_grad(_X))
+
+        def reference():
+            x = to_torch(_X).requires_grad_()
+            value = loss(x)
+            return value, torch.autograd.grad(value, x)[0]
+
+        torch.manual_seed(0)
+        expected_value, expected_grad = reference()
+        assert_tree_allclose((value, grad), (to_numpy(expected_value), to_numpy(expected_grad)), rtol=1e-5, atol=1e-5)
+    assert not found  # no trial run for a rate that draws as one seen
+
+
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 @pytest.mark.parametrize("kind", [torch.nn.LSTM, torch.nn.GRU])
 def test_a_recurrent_modules_dropout_set_after_a_call_is_seen(kind, mode):
