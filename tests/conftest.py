@@ -120,6 +120,38 @@ def traces(monkeypatch):
     return seen
 
 
+def count_resolutions(monkeypatch) -> list[int]:
+    """One entry per input signature a jaxify'd function resolves (infers
+    shapes for) from now on."""
+    from t2j_ad import api
+
+    seen: list[int] = []
+    original = api.JaxifiedFunction._resolve
+
+    def counting(self, *args):
+        seen.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(api.JaxifiedFunction, "_resolve", counting)
+    return seen
+
+
+def count_trial_runs(monkeypatch) -> list[int]:
+    """One entry per run on stand-in inputs (``infer_outputs``: a signature's
+    shapes, or a function's effects found again) from now on."""
+    from t2j_ad import api
+
+    seen: list[int] = []
+    original = api.infer_outputs
+
+    def counting(*args, **kwargs):
+        seen.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(api, "infer_outputs", counting)
+    return seen
+
+
 @pytest.fixture
 def x64():
     """Run the test with jax_enable_x64 on."""

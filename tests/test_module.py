@@ -12,7 +12,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.utils.prune as prune
-from conftest import TORCH_DEVICE, assert_tree_allclose, run_in_threads, to_numpy, to_torch
+from conftest import (
+    TORCH_DEVICE,
+    assert_tree_allclose,
+    count_resolutions,
+    count_trial_runs,
+    run_in_threads,
+    to_numpy,
+    to_torch,
+)
 
 import t2j_ad
 
@@ -863,12 +871,7 @@ def test_a_global_hook_added_after_a_call_is_seen_where_the_function_names_no_mo
     value_and_grad(x)
     handle = torch.nn.modules.module.register_module_forward_hook(_dropout_hook)
     try:
-        torch.manual_seed(3)
-        value, grad = value_and_grad(x)
-        torch.manual_seed(3)
-        expected_grad, expected_value = torch.func.grad_and_value(loss)(to_torch(x))
-        np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
-        np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10, atol=1e-12)
+        _assert_value_and_grad_as_torch_func(value_and_grad, loss, x, seed=3)
     finally:
         handle.remove()
 
@@ -901,23 +904,14 @@ def test_a_submodule_switched_by_name_between_registered_modules_is_seen(x64, co
     np.testing.assert_allclose(jax.grad(f)(x), to_numpy(expected_grad), rtol=1e-12)
 
 
-def _counting_resolutions(monkeypatch) -> list[int]:
-    """One entry per input signature resolved (shapes inferred) from now on."""
-    from t2j_ad import api
-
-    seen: list[int] = []
-    original = api.JaxifiedFunction._resolve
-
-    def counting(self, *args):
-        seen.append(1)
-        return original(self, *args)
-
-    monkeypatch.setattr(api.JaxifiedFunction, "_resolve", counting)
-    return seen
-
-
-def _assert_value_and_grad_as_torch_func(value_and_grad, loss, x):
+def _assert_value_and_grad_as_torch_func(value_and_grad, loss, x, seed: int | None = None):
+    """``value_and_grad(x)`` equals ``torch.func``'s on ``loss``, each from
+    ``seed`` where given (the same masks)."""
+    if seed is not None:
+        torch.manual_seed(seed)
     value, grad = value_and_grad(x)
+    if seed is not None:
+        torch.manual_seed(seed)
     expected_grad, expected_value = torch.func.grad_and_value(loss)(to_torch(x))
     np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
     np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10, atol=1e-12)
@@ -953,7 +947,7 @@ def test_a_hook_registered_and_removed_around_every_call_keeps_its_signature(x64
 
     value_and_grad = jax.value_and_grad(t2j_ad.jaxify(loss, compile=compile))
     x = jnp.array([0.3, -1.2, 0.7])
-    resolved = _counting_resolutions(monkeypatch)
+    resolved = count_resolutions(monkeypatch)
     for _ in range(4):
         handle = net[2].register_forward_hook(made())
         try:
@@ -990,12 +984,7 @@ def test_hooks_made_again_in_one_loop_are_compared_by_what_their_closure_held(x6
             lambda module, args, output: torch.nn.functional.dropout(output, p) if p > 0 else output
         )
         try:
-            torch.manual_seed(7)
-            value, grad = value_and_grad(x)
-            torch.manual_seed(7)
-            expected_grad, expected_value = torch.func.grad_and_value(loss)(to_torch(x))
-            np.testing.assert_allclose(value, expected_value.item(), rtol=1e-12)
-            np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-10, atol=1e-12)
+            _assert_value_and_grad_as_torch_func(value_and_grad, loss, x, seed=7)
         finally:
             handle.remove()
 
@@ -1070,7 +1059,7 @@ def test_a_submodule_swapped_back_and_forth_takes_back_what_was_resolved_for_it(
     f = t2j_ad.jaxify(loss, compile=compile)
     value_and_grad = jax.value_and_grad(f)
     x = jnp.array([0.3, -1.2, 0.7])
-    resolved = _counting_resolutions(monkeypatch)
+    resolved = count_resolutions(monkeypatch)
     stats = []
     for step in range(6):
         net.head = heads[step % 2]
@@ -1245,11 +1234,7 @@ def test_a_head_the_forward_switches_by_a_flag_is_right_on_the_first_call_after_
     the flag went back was refused, or (graph) wrong. Each call is held
     against torch.func on a copy of ``net`` with the same flag, from the
     same seed: one mask for value and gradient."""
-    resolved = []
-    original = t2j_ad.api.JaxifiedFunction._resolve
-    monkeypatch.setattr(
-        t2j_ad.api.JaxifiedFunction, "_resolve", lambda self, *a: resolved.append(1) or original(self, *a)
-    )
+    resolved = count_resolutions(monkeypatch)
     torch.manual_seed(0)
     net = _SwitchesItsHead().double().to(TORCH_DEVICE)
     twin = copy.deepcopy(net)
@@ -1298,9 +1283,7 @@ def test_a_forward_that_switches_its_head_makes_no_trial_run_while_its_flags_hol
     x = jnp.ones((2, 3))
     f(x)
     f(x)
-    trial_runs = []
-    original = t2j_ad.api.infer_outputs
-    monkeypatch.setattr(t2j_ad.api, "infer_outputs", lambda *a, **k: trial_runs.append(1) or original(*a, **k))
+    trial_runs = count_trial_runs(monkeypatch)
     for _ in range(3):
         f(x)
     assert not trial_runs
@@ -1334,9 +1317,7 @@ def test_a_counter_beside_the_flag_costs_one_trial_run_not_one_per_call(x64, mon
     x = jnp.ones((2, 3))
     f(x)
     f(x)
-    trial_runs = []
-    original = t2j_ad.api.infer_outputs
-    monkeypatch.setattr(t2j_ad.api, "infer_outputs", lambda *a, **k: trial_runs.append(1) or original(*a, **k))
+    trial_runs = count_trial_runs(monkeypatch)
     for _ in range(4):
         f(x)
     assert len(trial_runs) <= 1  # the first finds the counter moved, and nothing else

@@ -11,10 +11,9 @@ import jax.numpy as jnp
 import pytest
 import torch
 import torch.func
-from conftest import TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
+from conftest import TORCH_DEVICE, assert_tree_allclose, count_resolutions, to_numpy, to_torch
 
 import t2j_ad
-from t2j_ad import api
 from t2j_ad.named_bindings import BindingsSeen
 
 pytestmark = pytest.mark.usefixtures("x64")
@@ -44,15 +43,7 @@ def _against_torch_func(f, reference, x, seed=0):
 @pytest.fixture
 def resolved(monkeypatch):
     """One entry per signature resolved during the test."""
-    seen: list[int] = []
-    original = api.JaxifiedFunction._resolve
-
-    def counting(self, *args):
-        seen.append(1)
-        return original(self, *args)
-
-    monkeypatch.setattr(api.JaxifiedFunction, "_resolve", counting)
-    return seen
+    return count_resolutions(monkeypatch)
 
 
 @pytest.fixture

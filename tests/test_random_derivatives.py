@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.func
-from conftest import ON_GPU, TORCH_DEVICE, assert_tree_allclose, to_numpy, to_torch
+from conftest import ON_GPU, TORCH_DEVICE, assert_tree_allclose, count_trial_runs, to_numpy, to_torch
 
 import t2j_ad
 from t2j_ad.rules.fallbacks import FallbackWarning
@@ -33,6 +33,17 @@ def _seeded_run(fn):
     torch.manual_seed(0)
     result = jax.block_until_ready(fn())  # JAX dispatches asynchronously
     return result, torch.rand(3, device=TORCH_DEVICE)
+
+
+def _assert_as_pytorch_from_seed_0(value_and_grad, loss, x) -> None:
+    """``value_and_grad(x)`` from seed 0 equals PyTorch's own value and
+    input gradient of ``loss`` from seed 0 (the same masks)."""
+    (value, grad), _ = _seeded_run(lambda: value_and_grad(x))
+    tx = to_torch(x).requires_grad_()
+    torch.manual_seed(0)
+    expected_value = loss(tx)
+    expected_grad = torch.autograd.grad(expected_value, tx)[0]
+    assert_tree_allclose((value, grad), (to_numpy(expected_value), to_numpy(expected_grad)), rtol=1e-5, atol=1e-5)
 
 
 def _mask(shape):
@@ -271,16 +282,7 @@ def test_a_dropout_rate_set_after_a_call_is_seen(rates, mode):
     jax.block_until_ready(value_and_grad(_X))
     model[1].p = after
     for step in (value_and_grad, jax.jit(value_and_grad)):
-        (value, grad), _ = _seeded_run(lambda step=step: step(_X))
-
-        def reference():
-            x = to_torch(_X).requires_grad_()
-            value = loss(x)
-            return value, torch.autograd.grad(value, x)[0]
-
-        torch.manual_seed(0)
-        expected_value, expected_grad = reference()
-        assert_tree_allclose((value, grad), (to_numpy(expected_value), to_numpy(expected_grad)), rtol=1e-5, atol=1e-5)
+        _assert_as_pytorch_from_seed_0(step, loss, _X)
 
 
 @pytest.mark.parametrize("use_jit", [False, True])
@@ -302,21 +304,10 @@ def test_a_dropout_rate_annealed_every_step_finds_its_effects_once(monkeypatch, 
     jax.block_until_ready(value_and_grad(_X))
     model[1].p = 0.45
     jax.block_until_ready(value_and_grad(_X))  # the rates between 0 and 1: one look
-    found = []
-    original = t2j_ad.api.infer_outputs
-    monkeypatch.setattr(t2j_ad.api, "infer_outputs", lambda *a, **k: found.append(1) or original(*a, **k))
+    found = count_trial_runs(monkeypatch)
     for step in range(5):
         model[1].p = 0.4 - 0.05 * step
-        (value, grad), _ = _seeded_run(lambda: value_and_grad(_X))
-
-        def reference():
-            x = to_torch(_X).requires_grad_()
-            value = loss(x)
-            return value, torch.autograd.grad(value, x)[0]
-
-        torch.manual_seed(0)
-        expected_value, expected_grad = reference()
-        assert_tree_allclose((value, grad), (to_numpy(expected_value), to_numpy(expected_grad)), rtol=1e-5, atol=1e-5)
+        _assert_as_pytorch_from_seed_0(value_and_grad, loss, _X)
     assert not found  # no trial run for a rate that draws as one seen
 
 
@@ -338,16 +329,7 @@ def test_a_recurrent_modules_dropout_set_after_a_call_is_seen(kind, mode):
     value_and_grad = jax.value_and_grad(t2j_ad.jaxify(loss, compile=mode))
     jax.block_until_ready(value_and_grad(x))
     rnn.dropout = 0.5
-    (value, grad), _ = _seeded_run(lambda: value_and_grad(x))
-
-    def reference():
-        tx = to_torch(x).requires_grad_()
-        value = loss(tx)
-        return value, torch.autograd.grad(value, tx)[0]
-
-    torch.manual_seed(0)
-    expected_value, expected_grad = reference()
-    assert_tree_allclose((value, grad), (to_numpy(expected_value), to_numpy(expected_grad)), rtol=1e-5, atol=1e-5)
+    _assert_as_pytorch_from_seed_0(value_and_grad, loss, x)
 
 
 @pytest.mark.parametrize("use_jit", [False, True])
