@@ -94,7 +94,7 @@ from .dropout_layouts import LayoutDependentDraws
 from .module_modes import UninitializedModuleError, recording_module_modes
 from .module_structure import ModuleChangedError
 from .random_state import RandomOpsSeen
-from .real_writes import trial_run
+from .real_writes import apart_from_trial_runs, trial_run, trial_running
 from .replayed_calls import Effects
 from .rules.fallbacks import first_line
 from .runtime import InputMutationError, TorchCallError, mutation_message
@@ -134,9 +134,12 @@ def _run(
     (``module_modes.referenced_modules``)."""
     make = torch.empty if device == _META else make
     seen_autocast = _RefuseAutocast() if device == _META else contextlib.nullcontext()
+    # Apart from the trial run of a function that calls this one, if any
+    # (NOTE [a nested call's effects are its caller's] in real_writes.py).
+    callers = apart_from_trial_runs() if trial_running.depth else contextlib.nullcontext()
     # Outside torch.inference_mode, whose tensors keep no version to check
     # (NOTE [calls inside torch.inference_mode] in runtime.py).
-    with torch.inference_mode(False):
+    with callers, torch.inference_mode(False):
         inputs = [make(a.shape, dtype=torch_dtype(a.dtype), device=device) for a in avals]
         versions = [t._version for t in inputs]
         # NOTE [trial runs do not write to real tensors]
@@ -151,12 +154,14 @@ def _run(
         err = InputMutationError(mutation_message(name, mutated, where=" (seen while inferring its output shapes)"))
         err.mutated = tuple(mutated)
         raise err
+    # A jaxified call the function made draws and writes as the function
+    # does (NOTE [a nested call's effects are its caller's] in real_writes.py).
     effects = Effects(
-        random_ops.seen,
+        random_ops.seen or run.nested_draws,
         run.state_written(),
         modes.modes(),
         random_ops.seen and layouts.seen,
-        random_ops.given,
+        random_ops.given + run.nested_given_draws,
         run.recomputed,
     )
     return outputs, effects

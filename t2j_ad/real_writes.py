@@ -65,7 +65,7 @@ from .module_hooks import (
     remove_hooks_since,
 )
 from .random_state import random_state_kept
-from .state_writes import StateWrites, bound_by_a_replay, memory_of
+from .state_writes import StateWrites, bound_by_a_replay, memory_of, merged
 from .trial_caches import CachesKept, changed_entries, parametrize_cache, put_back
 
 
@@ -584,6 +584,41 @@ class TrialRun:
         self._attributes = attributes
         self._writes = writes
         self._caches = caches
+        # What the jaxified calls made inside the run do (NOTE [a nested
+        # call's effects are its caller's]): whether one draws from
+        # PyTorch's generator, how often from generators passed as
+        # ``generator=``, and the state they update.
+        self.nested_draws = False
+        self.nested_given_draws = 0
+        self._nested_writes: list[StateWrites] = []
+
+    def note_nested(self, draws: bool, given_draws: int, writes: StateWrites) -> None:
+        """Count what a jaxified call made inside the run does as the run's
+        own (NOTE [a nested call's effects are its caller's])."""
+        self.nested_draws = self.nested_draws or draws
+        self.nested_given_draws += given_draws
+        self._nested_writes.append(writes)
+
+    def state_for_caller(self) -> StateWrites:
+        """The state this run (a jaxified call's, inside its caller's trial
+        run) updated, as its caller keeps it (NOTE [a nested call's effects
+        are its caller's]): a tensor written in place as the tensor itself,
+        also one bound to a module (a graph of the called function writes
+        it without running the module's ``forward``), and a name a
+        ``forward`` bound anew as the module's name."""
+        in_place = self._writes.state_written()
+        rebound = self._attributes.rebound_state
+        renamed = {(id(module), name) for module, name, _ in rebound}
+        tensors = list(in_place.closed_over)
+        for module, name in in_place.in_modules:
+            bound = next((t[name] for t in _attribute_tables(module) if name in t), None)
+            if (id(module), name) not in renamed and isinstance(bound, torch.Tensor):
+                tensors.append(bound)
+        return StateWrites(
+            tuple(tensors),
+            tuple((module, name) for module, name, _ in rebound),
+            tuple((t.shape, t.dtype) for t in tensors) + tuple((old.shape, old.dtype) for *_, old in rebound),
+        )
 
     @property
     def rebound(self) -> list[str]:
@@ -616,7 +651,8 @@ class TrialRun:
         """The state the run updated: tensors kept between calls written in
         place, and tensors a ``forward`` bound in place of a module's (NOTE
         [derivatives do not write again] in state_writes.py)."""
-        return self._writes.state_written(self._attributes.rebound_state)
+        own = self._writes.state_written(self._attributes.rebound_state)
+        return merged(own, *self._nested_writes)
 
     @property
     def recomputed(self) -> tuple[tuple[torch.nn.Module, str], ...]:
@@ -645,6 +681,9 @@ class _TrialRunning(threading.local):
     # The outputs of the call ``call_undone`` runs, while it runs: that call
     # is no trial run's inner call (NOTE [a call inside a trial run]).
     call_outputs: list[torch.Tensor] | None = None
+    # The innermost trial run open on this thread, told what a jaxified call
+    # made inside it does (NOTE [a nested call's effects are its caller's]).
+    run: TrialRun | None = None
 
 
 # Read by the runner on every call: a call made inside a trial run runs
@@ -672,12 +711,24 @@ def outside_trial_runs() -> Iterator[None]:
     (NOTE [JAX inside a trace] in jax_in_traces.py)."""
     if note_jax_inside("calls a jaxified function"):
         raise CalledInsideTrace()
+    with apart_from_trial_runs():
+        yield
+
+
+@contextlib.contextmanager
+def apart_from_trial_runs() -> Iterator[None]:
+    """Within the block, none of this thread's trial runs is open, nor are
+    their dispatch modes on: for a call inside one (``outside_trial_runs``),
+    and for the shape inference of a jaxified function first called inside
+    one (NOTE [a nested call's effects are its caller's])."""
     depth, trial_running.depth = trial_running.depth, 0
+    run, trial_running.run = trial_running.run, None
     try:
         with _disable_current_modes():
             yield
     finally:
         trial_running.depth = depth
+        trial_running.run = run
 
 
 # NOTE [a call inside a trial run]
@@ -706,17 +757,60 @@ def outside_trial_runs() -> Iterator[None]:
 # around (NOTE [lock order]); the modules' locks come last.
 
 
+# NOTE [a nested call's effects are its caller's]
+# The call a trial run makes of another jaxified function (NOTE [a call
+# inside a trial run]) runs again in each of its caller's real calls, and in
+# each derivative call of the caller: ``torch.func.vjp`` runs the caller's
+# forward again, and the nested call inside it runs outside the levels, as a
+# call of its own (NOTE [a call inside torch.func transforms] in
+# runtime.py). So a nested function that draws (dropout) drew a new mask in
+# the caller's derivative call, and ``jax.value_and_grad`` of the caller
+# gave the value of one mask and the gradient of another; a nested
+# training-mode BatchNorm updated its statistics twice a step. The caller's
+# trial run never saw either: the nested call is a trial run of its own,
+# outside the caller's modes. So what the nested call does is counted as the
+# caller's: ``call_undone`` tells the caller's trial run (``note_nested``)
+# whether the nested function draws, as its own effects say (its shape
+# inference saw it: ``effects_of``), and the state the nested run wrote
+# (``state_for_caller``). The caller's derivatives then replay its value
+# call around the nested call too (NOTE [derivatives replay the value's
+# draws] in replayed_calls.py): they set PyTorch's generator to the state
+# the value call started from, so the nested call draws the value's numbers
+# again, and set the tensors it writes to the values they had before the
+# value call, putting back after it what the value left (NOTE [derivatives
+# do not write again] in state_writes.py). A tensor a module's ``forward``
+# wrote in place is such a tensor, not the module's name, since a
+# graph-mode nested function writes it without running the ``forward``; a
+# name a ``forward`` bound anew stays the module's (such a function runs
+# eagerly: NOTE [trial runs do not write to real tensors]). A nested
+# function given ``output_shapes=`` was never run to learn its draws, and
+# its draws are not counted (its writes are). The nested function's own
+# shape inference, when its first call comes inside the caller's trial run,
+# runs apart from that run (``apart_from_trial_runs``): inside its modes,
+# the caller's run took the nested inference's draws on meta tensors and its
+# writes on zeros for the caller's own, on whichever of the caller's runs
+# met the nested function first (the run on zeros, not the run on ones: two
+# runs that "write differently", refused).
+
+
 @contextlib.contextmanager
 def call_undone(
-    outputs: Sequence[torch.Tensor], dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()
+    outputs: Sequence[torch.Tensor],
+    dicts: Iterable[Any] = (),
+    modules: Iterable[torch.nn.Module] = (),
+    effects_of: Callable[[], tuple[bool, int]] = lambda: (False, 0),
 ) -> Iterator[list[torch.Tensor]]:
     """Within the block, a call made inside a trial run writes its results
     into the outputs it yields, in a trial run of its own outside the one
     around (``dicts``, ``modules``: those its function refers to), which puts
     back everything it wrote when it ends; then they are copied into
-    ``outputs`` (NOTE [a call inside a trial run])."""
+    ``outputs`` (NOTE [a call inside a trial run]). The run around is told
+    what the call did: ``effects_of()`` gives whether its function draws and
+    how often from generators passed as ``generator=`` (NOTE [a nested
+    call's effects are its caller's])."""
+    caller = trial_running.run
     with outside_trial_runs():
-        with trial_run(dicts, modules):
+        with trial_run(dicts, modules) as nested:
             own = [torch.empty_like(out) for out in outputs]  # made in the run: nothing to put back
             around, trial_running.call_outputs = trial_running.call_outputs, own
             try:
@@ -725,6 +819,9 @@ def call_undone(
                 trial_running.call_outputs = around
         for out, result in zip(outputs, own):
             out.copy_(result)
+        if caller is not None:
+            draws, given_draws = effects_of()
+            caller.note_nested(draws, given_draws, nested.state_for_caller())
 
 
 def one_trial_run() -> threading.RLock:
@@ -778,7 +875,12 @@ def trial_run(
             with kept.watching() as attributes:
                 writes = RealWritesUndone(attributes.owner_of)
                 with writes, random_state_kept():
-                    yield TrialRun(attributes, writes, caches)
+                    run = TrialRun(attributes, writes, caches)
+                    around, trial_running.run = trial_running.run, run
+                    try:
+                        yield run
+                    finally:
+                        trial_running.run = around
         finally:
             caches.take_back()
             # NOTE [hooks a trial run registers] in module_hooks.py

@@ -516,8 +516,16 @@ class _Runner:
             self._serialized(inputs, outputs, stream)
             return
         dicts, modules = _referenced(self.base)
-        with call_undone(outputs, dicts, modules) as own:
+        with call_undone(outputs, dicts, modules, self._draws) as own:
             self(inputs, own, stream)
+
+    def _draws(self) -> tuple[bool, int]:
+        """Whether this runner's function draws from PyTorch's generator, and
+        how often from generators passed as ``generator=``, as its effects
+        say: told to the trial run of a function that calls it (NOTE [a
+        nested call's effects are its caller's] in real_writes.py)."""
+        found = effects_now(self.base)
+        return found.draws_random, found.given_draws
 
     def _on_stream(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
         # PyTorch must run on XLA's stream, for the call and the copies.
@@ -715,7 +723,10 @@ class _Runner:
         its levels' wrappers) would need a derivative through JAX that
         PyTorch cannot take (outside the levels, functorch reads such a
         tensor as a plain one: a gradient of zero, silently), so an op on
-        one is refused, naming the function."""
+        one is refused, naming the function. The outer derivative runs the
+        nested call again; what it draws and writes is the outer function's,
+        which that derivative replays (NOTE [a nested call's effects are its
+        caller's] in real_writes.py)."""
         with outside_functorch_levels(self._differentiated_inside):
             self(inputs, outputs, stream)
 

@@ -125,6 +125,29 @@ def memory_of(tensor: torch.Tensor) -> tuple[Any, ...] | None:
 
 NO_WRITES = StateWrites((), (), ())
 
+
+def merged(*writes: StateWrites) -> StateWrites:
+    """One ``StateWrites`` holding every slot of ``writes``, each once (a
+    tensor by its memory, a module's name by the module and the name): the
+    function's own slots and those of the jaxified calls it made (NOTE [a
+    nested call's effects are its caller's] in real_writes.py)."""
+    if len(writes) == 1:
+        return writes[0]
+    closed: dict[Any, tuple[torch.Tensor, tuple[torch.Size, torch.dtype]]] = {}
+    named: dict[tuple[int, str], tuple[torch.nn.Module, str, tuple[torch.Size, torch.dtype]]] = {}
+    for each in writes:
+        first = len(each.closed_over)
+        for tensor, layout in zip(each.closed_over, each.layouts):
+            closed.setdefault(memory_of(tensor) or id(tensor), (tensor, layout))
+        for (module, name), layout in zip(each.in_modules, each.layouts[first:]):
+            named.setdefault((id(module), name), (module, name, layout))
+    return StateWrites(
+        tuple(tensor for tensor, _ in closed.values()),
+        tuple((module, name) for module, name, _ in named.values()),
+        tuple(layout for _, layout in closed.values()) + tuple(layout for *_, layout in named.values()),
+    )
+
+
 # (id(module), name) of the bindings replaying calls made for a forward: a
 # trial run around a trace leaves them alone (NOTE [derivatives do not write
 # again]).

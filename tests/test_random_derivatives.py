@@ -664,3 +664,51 @@ def test_the_graph_fallback_of_a_function_run_twice_by_a_vjp_fallback_says_so():
     torch.manual_seed(0)
     expected = jax.grad(t2j_ad.jaxify(drops_and_counts, compile="eager"))(x)
     assert_tree_allclose(got, expected)  # the same draws and state: it runs eagerly
+
+
+# ------------------------------------------- a jaxified call inside, that draws
+
+_NESTED_INPUT = jnp.linspace(1.0, 2.0, 8)
+
+
+def _calling_nested(inner):  # noqa: ANN001, ANN202 - a jaxified function
+    """A PyTorch loss weighted by what a jaxified function returns: a
+    constant to PyTorch, drawn once per call of the loss."""
+
+    def loss(x):
+        weights = t2j_ad.tree_j2t(inner(_NESTED_INPUT)).clone()
+        return ((x * weights) ** 2).sum()
+
+    return loss
+
+
+def _nested_reference(x):
+    weights = _dropout(to_torch(_NESTED_INPUT).to(x.device)).detach()
+    return ((x * weights) ** 2).sum()
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("how", ["value_and_grad", "jit_value_and_grad"])
+@pytest.mark.parametrize("inner_first", [True, False], ids=["inner_called_first", "inner_first_called_inside"])
+def test_a_nested_jaxified_call_that_draws_gives_the_value_and_gradient_of_one_mask(inner_first, how, mode):
+    """A PyTorch function that calls a jaxified dropout: the derivative call
+    of the outer runs its forward again, and the nested call in it drew a
+    new mask, since the outer's inference never saw the draw (the nested
+    call is a trial run of its own): the value of one mask, the gradient of
+    another, in every step (NOTE [a nested call's effects are its
+    caller's] in real_writes.py)."""
+    inner = t2j_ad.jaxify(_dropout, compile=mode)
+    if inner_first:  # else its shapes are inferred inside the outer's trial runs
+        jax.block_until_ready(inner(_NESTED_INPUT))
+    outer = t2j_ad.jaxify(_calling_nested(inner), compile=mode)
+    step = jax.value_and_grad(outer) if how == "value_and_grad" else jax.jit(jax.value_and_grad(outer))
+    x = jnp.arange(1.0, 9.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # a function that calls JAX runs eagerly, announced
+        for seed in range(3):
+            torch.manual_seed(seed)
+            got, after = jax.block_until_ready(step(x)), torch.rand(3, device=TORCH_DEVICE)
+            torch.manual_seed(seed)
+            grad, value = torch.func.grad_and_value(_nested_reference)(to_torch(x))
+            assert_tree_allclose(got, (to_numpy(value), to_numpy(grad)))
+            assert_tree_allclose(to_numpy(after), to_numpy(torch.rand(3, device=TORCH_DEVICE)))

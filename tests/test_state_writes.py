@@ -429,3 +429,43 @@ def test_a_buffer_written_through_data_or_detach_is_the_modules_state(how, mode)
         assert_tree_allclose((value, grad), (to_numpy(expected.detach()), to_numpy(tx.grad)))
         torch.testing.assert_close(module.average, twin.average)  # updated once per step
 
+
+
+# ------------------------------------- a jaxified call inside, that keeps state
+
+_NESTED_INPUT = jnp.asarray(np.random.default_rng(1).normal(size=(4, 3)), jnp.float32)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("how", ["value_and_grad", "jit_value_and_grad"])
+@pytest.mark.parametrize("inner_first", [True, False], ids=["inner_called_first", "inner_first_called_inside"])
+def test_a_nested_jaxified_call_that_keeps_state_updates_it_once_a_step(inner_first, how, mode):
+    """A PyTorch function that calls a jaxified training-mode BatchNorm: the
+    derivative call of the outer runs its forward again, and the nested
+    call in it updated the statistics again (6 updates in 3 steps), since
+    the outer's inference never saw the write (the nested call is a trial
+    run of its own). Held against the same composition in plain PyTorch,
+    one forward and one backward a step (NOTE [a nested call's effects are
+    its caller's] in real_writes.py)."""
+    torch.manual_seed(0)
+    norm = torch.nn.BatchNorm1d(3).to(TORCH_DEVICE)
+    inner = t2j_ad.jaxify(lambda t: norm(t), compile=mode)
+    if inner_first:  # else its shapes are inferred inside the outer's trial runs
+        jax.block_until_ready(inner(_NESTED_INPUT))
+    twin = copy.deepcopy(norm)
+
+    def outer(x):
+        return (x * t2j_ad.tree_j2t(inner(_NESTED_INPUT)).clone()).tanh().sum()
+
+    step = jax.value_and_grad(t2j_ad.jaxify(outer, compile=mode))
+    step = jax.jit(step) if how == "jit_value_and_grad" else step
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # a function that calls JAX runs eagerly, announced
+        for _ in range(3):
+            got = jax.block_until_ready(step(_X[:4]))
+            x = to_torch(_X[:4]).requires_grad_()
+            value = (x * twin(to_torch(_NESTED_INPUT)).detach()).tanh().sum()
+            value.backward()
+            assert_tree_allclose(got, (to_numpy(value.detach()), to_numpy(x.grad)), rtol=1e-5, atol=1e-5)
+            assert_tree_allclose(_state(norm), _state(twin), rtol=1e-6, atol=1e-6)
+    assert int(norm.num_batches_tracked) == 3 + inner_first  # one a step
