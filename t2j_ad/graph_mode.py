@@ -92,6 +92,7 @@ from .trace_check import (
 )
 from .tangent_zeros import fold_tangent_zeros, plain_tangent_zeros
 from .trace_refusals import (
+    NotTraceable,
     refuse_lost_results,
     refuse_module_side_effects,
     refuse_scalar_reads,
@@ -336,6 +337,32 @@ def _added_outputs_dropped(graph: torch.fx.GraphModule) -> list[bool]:
 # a plain call's is.
 
 
+# NOTE [a hook that removed itself in a trace]
+# A one-shot hook (a forward pre-hook that sets a scale from the first
+# batch, then ``handle.remove()``) runs in the trace of the function's first
+# call and removes itself. The trace kept it removed, and its graph the
+# hook's ops, so that the graph's first run was PyTorch's first call; but a
+# compiled ``jax.jit`` runs its graph on every call while the modules keep
+# the hooks the graph found as it was made (NOTE [the hooks a graph ran] in
+# module_modes.py), which were those without it: the init re-ran from every
+# batch (off by 1.55 and 2.29 on the second and third calls), silently. And
+# a trace that failed after the hook ran (a value read in the forward) left
+# it removed, so the eager call that stood in for the graph never ran the
+# init. So a trace puts such a hook back, as every trial run does (NOTE
+# [hooks a trial run registers] in module_hooks.py), and gives no graph: the
+# call that traced runs eagerly, runs the hook for real and so removes it,
+# as PyTorch's first call does; the next call finds it gone (the graph's
+# modules hold other hooks than the eager run assumed) and traces without
+# it. That eager run is no fallback: it is neither cached nor announced.
+
+
+class HookRemovedInTrace(NotTraceable):
+    """A hook the trace ran removed itself (NOTE [a hook that removed itself in a trace])."""
+
+    def __init__(self) -> None:
+        super().__init__("a hook it ran removed itself (a one-shot hook), so this call runs eagerly, once")
+
+
 def trace(
     fn: Flat,
     inputs: Sequence[torch.Tensor],
@@ -351,11 +378,7 @@ def trace(
 
     def run() -> torch.fx.GraphModule:
         # NOTE [trial runs do not write to real tensors]
-        # A hook the trace ran that removes itself stays removed: the graph
-        # holds its ops, and its first run is the function's first call
-        # (NOTE [hooks a trial run registers] in module_hooks.py).
-        trial = trial_run(dicts, modules, put_back_removed=False)
-        with torch.autograd.set_grad_enabled(grad_enabled), trial as attributes:
+        with torch.autograd.set_grad_enabled(grad_enabled), trial_run(dicts, modules) as attributes:
             # _allow_non_fake_inputs: tensors the function closes over (module
             # buffers) become graph constants, held by reference; their values
             # stay out of Python (NOTE [values a graph would keep]). NOTE
@@ -378,6 +401,8 @@ def trace(
             from_inputs = [name for name, computed in zip(added, _added_outputs_dropped(graph)) if computed]
             # Before the trial run puts it back:
             refuse_state_kept_in_objects(attributes.cache_state(), attributes.hook_filled(), from_inputs)
+        if attributes.hooks_put_back:  # NOTE [a hook that removed itself in a trace]
+            raise HookRemovedInTrace()
         refuse_module_side_effects(attributes.rebound, attributes.python_state)
         return graph
 
@@ -438,6 +463,7 @@ class Artifact:
         "compile_seconds",
         "modes",
         "layouts",
+        "once",
     )
 
     def __init__(self, run: Flat | None, reason: str | None = None, traced: bool = False):
@@ -454,6 +480,9 @@ class Artifact:
         self.compile_seconds = 0.0
         self.modes: ModuleModes = NO_MODES  # NOTE [a graph per training mode]
         self.layouts: HeldLayouts | None = None  # NOTE [the layouts a graph assumed]
+        # Whether it runs eagerly for the call that made it alone, neither
+        # cached nor announced (NOTE [a hook that removed itself in a trace]).
+        self.once = False
 
     def holds(self) -> bool:
         """Whether what the graph assumed beyond its inputs still holds: the
@@ -478,6 +507,10 @@ def _build_artifact(
                 graph = trace(impl, inputs, grad_enabled, *_referenced(base))
     except OSError:  # not a trace's refusal: a time limit's TimeoutError, say, kept no eager path
         raise
+    except HookRemovedInTrace as err:  # NOTE [a hook that removed itself in a trace]
+        artifact = Artifact(None, _reason(err))
+        artifact.once = True
+        return artifact, None
     except Exception as err:  # noqa: BLE001 - any failure: run eagerly (NOTE [graph mode])
         return Artifact(None, _reason(err)), None
     traced = time.perf_counter()
@@ -664,6 +697,8 @@ def artifact_for(
         with recording_module_modes(getattr(base, "referenced_modules", ())) as recorder:
             artifact, first = _build_artifact(mode, impl, base, inputs, grad_enabled, out_specs)
         artifact.modes = recorder.modes()
+        if artifact.once:  # NOTE [a hook that removed itself in a trace]
+            return artifact, first
         cache[(*where, tuple((id(m), flag) for m, flag in artifact.modes), artifact.modes.rates())] = artifact
         _drop_the_oldest(base, cache, where)
     if isinstance(first, FirstRunNotUndone):

@@ -35,10 +35,14 @@ real call ran it, and the scale stayed at its initial value. So a trial
 run also puts back, as it ends, the hooks it removed from the modules the
 function refers to and from the global tables (``hook_tables_kept``), in
 their order; the first real call runs such a hook, as PyTorch's first
-call would. A graph-mode trace does not put them back: the graph holds
-the hook's ops, and its first run is the function's first call, so the
-hook is gone after it, as after PyTorch's, and the next call, finding it
-gone (NOTE [a hook removed after a call]), traces again without it.
+call would. A module the function reaches deeper (``outer.inner.model``,
+two plain objects down) is not among those it refers to, and its hook
+stayed removed: the init never ran on real data. So the tables of every
+other module a forward runs under are copied too, the first time the
+trial run sees it (in t2j_ad's global forward pre-hook, which runs
+before the module's own hooks). A graph-mode trace puts them back as
+well, and a trace that ran such a hook gives no graph (NOTE [a hook that
+removed itself in a trace] in graph_mode.py).
 
 NOTE [only PyTorch's hook tables]
 The tables a trial run removes hooks from were first found by name: every
@@ -122,22 +126,33 @@ def remove_hooks_since(first: int, modules: Iterable[torch.nn.Module]) -> None:
                 del table[key]
 
 
-def hook_tables_kept(modules: Iterable[torch.nn.Module]) -> list[tuple[dict[Any, Any], dict[Any, Any]]]:
-    """Each table of hooks ``modules`` and the global tables hold that has
-    one, with a copy of it: what ``put_back_removed_hooks`` puts back (NOTE
-    [hooks a trial run registers])."""
-    return [(table, dict(table)) for module in (*modules, None) for table in _every_table(module) if table]
+# A table of hooks, and a copy of it as a trial run found it.
+KeptTable = tuple[dict[Any, Any], dict[Any, Any]]
 
 
-def put_back_removed_hooks(kept: Iterable[tuple[dict[Any, Any], dict[Any, Any]]]) -> None:
+def hook_tables_kept(modules: Iterable[torch.nn.Module], global_tables: bool = True) -> list[KeptTable]:
+    """Each table of hooks ``modules`` (and, with ``global_tables``, the
+    global tables) hold that has one, with a copy of it: what
+    ``put_back_removed_hooks`` puts back (NOTE [hooks a trial run
+    registers])."""
+    holders = (*modules, None) if global_tables else tuple(modules)
+    return [(table, dict(table)) for module in holders for table in _every_table(module) if table]
+
+
+def put_back_removed_hooks(kept: Iterable[KeptTable]) -> int:
     """Put back in each table the hooks removed since ``hook_tables_kept``
-    copied it, in their order, before those added since."""
+    copied it, in their order, before those added since; how many hooks
+    (and flags of theirs) it put back."""
+    put_back = 0
     for table, saved in kept:
-        if saved.keys() - table.keys():
+        removed = len(saved.keys() - table.keys())
+        if removed:
+            put_back += removed
             added = [(key, value) for key, value in table.items() if key not in saved]
             table.clear()
             table.update(saved)
             table.update(added)
+    return put_back
 
 
 def _where_tables_are(module: torch.nn.Module | None) -> tuple[dict[str, Any], tuple[str, ...]]:

@@ -242,6 +242,11 @@ class ModuleModes:
         self._hook_places = user_hook_places(self.modules)
         return True
 
+    def hooks_in_place(self) -> bool:
+        """Whether each hook the modules held when last compared is still in
+        its table (NOTE [the hooks a graph ran])."""
+        return not self._hook_places or hooks_still_in_place(self._hook_places)
+
     def _children_now(self) -> list[Any]:
         """The table of children (``_modules``) of each module that held
         some, as it is now."""

@@ -57,6 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from .jax_in_traces import CalledInsideTrace, note_jax_inside
 from .module_locks import acquire, in_lock_order, release
 from .module_hooks import (
+    KeptTable,
     hook_tables_kept,
     hooks_numbered,
     own_global_hooks,
@@ -294,7 +295,16 @@ class ModuleAttributesKept:
     a module under it, is unbound again when that ``forward`` ends, the old
     value put back; ``rebound`` names each as ``Class.name``."""
 
-    def __init__(self, caches: CachesKept | None = None, found: Iterable[torch.nn.Module] = ()) -> None:
+    def __init__(
+        self,
+        caches: CachesKept | None = None,
+        found: Iterable[torch.nn.Module] = (),
+        first_seen: Callable[[torch.nn.Module], None] | None = None,
+    ) -> None:
+        # Called with each module a forward runs under, the first time one
+        # does, before that module's own hooks run (NOTE [hooks a trial run
+        # registers] in module_hooks.py).
+        self._first_seen = first_seen
         # Where the dicts of each module noted are noted too (NOTE [trial
         # runs leave caches as they found them] in trial_caches.py).
         self._caches = caches
@@ -338,7 +348,10 @@ class ModuleAttributesKept:
         owners: dict[int, tuple[torch.nn.Module, str]] = {}
         if id(module) not in self._noted:  # else an open frame noted it and those under it
             for sub in module.modules():
-                self.seen_modules.setdefault(id(sub), sub)
+                if id(sub) not in self.seen_modules:
+                    self.seen_modules[id(sub)] = sub
+                    if self._first_seen is not None:
+                        self._first_seen(sub)
                 # A TorchScript module's forward cannot rebind its attributes from
                 # Python, and its tables are wrappers without dict methods.
                 if id(sub) not in self._noted and not isinstance(sub, torch.jit.ScriptModule):
@@ -591,6 +604,10 @@ class TrialRun:
         self.nested_draws = False
         self.nested_given_draws = 0
         self._nested_writes: list[StateWrites] = []
+        # How many hooks the run removed (a hook that removes itself) and
+        # put back as it ended (NOTE [hooks a trial run registers] in
+        # module_hooks.py); set once it has.
+        self.hooks_put_back = 0
 
     def note_nested(self, draws: bool, given_draws: int, writes: StateWrites) -> None:
         """Count what a jaxified call made inside the run does as the run's
@@ -848,9 +865,7 @@ def one_trial_run() -> threading.RLock:
 
 
 @contextlib.contextmanager
-def trial_run(
-    dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = (), put_back_removed: bool = True
-) -> Iterator[TrialRun]:
+def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()) -> Iterator[TrialRun]:
     """A run of the user's function made only to learn something: the real
     tensors it closes over, the attributes of the modules it runs, the
     tensors in ``dicts`` and in those modules' dicts (its caches), the
@@ -860,16 +875,18 @@ def trial_run(
     runs leave caches as they found them], NOTE [elements swapped through
     .data]); yields what records the attributes it rebound and the state it
     wrote. One at a time in the process (NOTE [one trial run at a time]).
-    With ``put_back_removed``, the hooks of ``modules`` (and the global ones)
-    it removed are put back too (NOTE [hooks a trial run registers])."""
+    The hooks it removed from the modules it ran or refers to, and from the
+    global tables, are put back too; ``TrialRun.hooks_put_back`` counts
+    them once it has ended (NOTE [hooks a trial run registers])."""
     with _one_trial_run, _in_trial_run(), _data_swaps_undone():
         under = list(dict.fromkeys(sub for module in modules for sub in module.modules()))
         locks = in_lock_order(m for m in under if m._parameters or m._buffers)
         acquire(locks)
         caches = CachesKept()
         first_hook = hooks_numbered()
-        hooks = hook_tables_kept(under) if put_back_removed else []
-        kept = ModuleAttributesKept(caches, under)
+        hooks = hook_tables_kept(under)
+        kept = ModuleAttributesKept(caches, under, _keeping_hooks_of_others(under, hooks))
+        run: TrialRun | None = None
         try:
             caches.note([*dicts, parametrize_cache()])
             with kept.watching() as attributes:
@@ -885,5 +902,23 @@ def trial_run(
             caches.take_back()
             # NOTE [hooks a trial run registers] in module_hooks.py
             remove_hooks_since(first_hook, [*under, *kept.seen_modules.values()])
-            put_back_removed_hooks(hooks)
+            put_back = put_back_removed_hooks(hooks)
+            if run is not None:
+                run.hooks_put_back = put_back
             release(locks)
+
+
+def _keeping_hooks_of_others(
+    under: Sequence[torch.nn.Module], hooks: list[KeptTable]
+) -> Callable[[torch.nn.Module], None]:
+    """What adds to ``hooks`` the tables of a module a trial run's forward
+    runs under but ``under`` (those the function refers to) leaves out, the
+    first time it does (NOTE [hooks a trial run registers] in
+    module_hooks.py: ``outer.inner.model``)."""
+    referred = {id(module) for module in under}
+
+    def keep(module: torch.nn.Module) -> None:
+        if id(module) not in referred:
+            hooks.extend(hook_tables_kept([module], global_tables=False))
+
+    return keep

@@ -231,6 +231,17 @@ class Effects:
             and self.writes.same_slots(other.writes)
         )
 
+    def within(self, other: Effects) -> bool:
+        """Whether the ``keeping`` and ``replaying`` functions made for
+        ``other`` keep and replay these effects too: this draws only where
+        ``other`` does, and updates only slots ``other`` updates (NOTE [fewer
+        effects than a program was traced for])."""
+        return self is other or (
+            (not self.draws_random or (other.draws_random and self.draws_by_layout == other.draws_by_layout))
+            and self.given_draws == other.given_draws
+            and self.writes.slots_within(other.writes)
+        )
+
 
 NO_EFFECTS = Effects(False, NO_WRITES, NO_MODES)
 
@@ -388,6 +399,85 @@ def keeping_and_replaying(base: BaseFn, seen: Effects) -> tuple[BaseFn, BaseFn]:
         if pair is None:
             pair = made[id(seen)] = (_keeping(root, seen), _replaying(root, seen), seen)
     return pair[0], pair[1]
+
+
+# NOTE [fewer effects than a program was traced for]
+# A jitted derivative runs its ``keeping`` and ``replaying`` calls for the
+# effects the JVP rule saw when ``jax.jit`` traced it. A call that finds
+# other effects now (after ``module.train()``, a hook added) is refused, since
+# it would draw or update a second time what the token does not hold. A
+# function that now does less was refused too: a one-shot initialization
+# hook (a forward pre-hook that sets a scale from the first batch, then
+# ``handle.remove()``) writes its buffer in the first value call only, and
+# every later step of ``jax.jit(jax.value_and_grad(f))`` was refused until
+# ``jax.clear_caches()``, blaming a training mode or a hook added (F4 of the
+# review of the twentieth session). But the token of the effects traced for
+# holds every slot and generator state the function now writes or draws
+# from: the keeping call saves them, and the replay sets them back and runs
+# as the value call ran. So a keeping call whose effects are within those
+# it was traced for runs, and notes its token with the effects it ran with
+# (``note_value_call``); its replay runs where the effects are still those.
+# A replay whose value call ran with other effects is refused as before:
+# the function changed between the two (a head the caller swapped, NOTE [a
+# submodule switched by its own forward] in module_structure.py; a one-shot
+# hook that removed itself in the value call, NOTE [a hook that removed
+# itself in a value call]), and the replay would differentiate another
+# function than the value's. Only the latest keeping call is noted: a
+# replay of an earlier one with fewer effects than traced is refused, which
+# costs a refusal, never a wrong result.
+
+# NOTE [a hook that removed itself in a value call]
+# PyTorch's ``loss.backward()`` after the first call of a module with a
+# one-shot hook differentiates the forward that ran the hook; t2j_ad's
+# derivative is a call of its own (NOTE [every derivative is a PyTorch
+# function] in torch_fn.py) that runs the forward again, after the hook is
+# gone. Rather than a gradient of the forward without the hook, such a
+# replay is refused (NOTE [fewer effects than a program was traced for]),
+# and the message names the hook: a keeping call that finds a hook of its
+# modules gone after it ran notes that too. The first call is then best
+# made plain (``f(x)``), which runs the hook once, as PyTorch's first call.
+
+
+@dataclasses.dataclass(frozen=True)
+class _ValueCall:
+    """The latest ``keeping`` call of a function: its token's bytes, the
+    effects it ran with where they were fewer than traced for (else None),
+    and whether a hook of its modules removed itself in it."""
+
+    token: bytes
+    effects: Effects | None
+    removed_hooks: bool
+
+
+def note_value_call(base: BaseFn, token: torch.Tensor, fewer: Effects | None, removed_hooks: bool) -> None:
+    """Note the ``keeping`` call of ``base``'s root that returned ``token``,
+    having run with the effects ``fewer`` than traced for, or None, and
+    whether a hook removed itself in it (NOTE [fewer effects than a program
+    was traced for]); forget it where neither holds."""
+    root = getattr(base, "effects_root", base)
+    noted = _ValueCall(_token_bytes(token), fewer, removed_hooks) if fewer is not None or removed_hooks else None
+    root.__dict__["latest_value_call"] = noted
+
+
+def replays_with_fewer_effects(base: BaseFn, token: torch.Tensor, now: Effects) -> bool:
+    """Whether ``token`` is that of the latest ``keeping`` call of ``base``'s
+    root, which ran with the effects ``now`` (NOTE [fewer effects than a
+    program was traced for])."""
+    noted = getattr(base, "effects_root", base).__dict__.get("latest_value_call")
+    return noted is not None and noted.effects is now and noted.token == _token_bytes(token)
+
+
+def replays_a_call_that_removed_hooks(base: BaseFn, token: torch.Tensor) -> bool:
+    """Whether ``token`` is that of the latest ``keeping`` call of ``base``'s
+    root, in which a hook removed itself (NOTE [a hook that removed itself
+    in a value call])."""
+    noted = getattr(base, "effects_root", base).__dict__.get("latest_value_call")
+    return noted is not None and noted.removed_hooks and noted.token == _token_bytes(token)
+
+
+def _token_bytes(token: torch.Tensor) -> bytes:
+    with outside_transforms():
+        return token.detach().to("cpu", copy=True).numpy().tobytes()
 
 
 def traced_for(base: BaseFn) -> Effects:

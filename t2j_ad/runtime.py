@@ -28,11 +28,16 @@ from .malloc_tuning import tune_malloc
 from .module_structure import StructureSeen
 from .real_writes import call_undone, one_trial_run, trial_running
 from .replayed_calls import (
+    Effects,
     GeneratorAround,
     draws_per_example,
     effects_held,
     effects_now,
     generator_around,
+    note_value_call,
+    replays_a_call_that_removed_hooks,
+    replays_with_fewer_effects,
+    token_input,
     traced_for,
 )
 from .rules.fallbacks import warn_once
@@ -572,7 +577,8 @@ class _Runner:
             # dropped after its first run hands back that call's results.
             results = self.impl(*inputs) if first is None else first
             self.call = self.impl
-            graph_mode.announce_fallback(self.base, self.name, self.compile, self.transforms, artifact)
+            if not artifact.once:  # NOTE [a hook that removed itself in a trace] in graph_mode.py
+                graph_mode.announce_fallback(self.base, self.name, self.compile, self.transforms, artifact)
             return results
         self.call = artifact.run
         self.cuda_graph = artifact.cuda_graph if self.captures_cuda_graphs else None
@@ -898,6 +904,8 @@ class _RunnerWithEffects(_RunnerWatchingNames):
     def __init__(self, fun: TorchFn) -> None:
         # Set before the base class copies this runner for other devices.
         self.checks_flags, self.holds_off_trial_runs, self.draws_alone = _effect_duties(fun)
+        # A keeping call: its token is its last output of its own.
+        self.keeps_token = fun.base.call_effects is not None and not getattr(fun.base, "replays", False)
         self.generator: GeneratorAround | None = generator_around(fun)
         self.captures_cuda_graphs = self.generator is None
         super().__init__(fun)
@@ -940,18 +948,14 @@ class _RunnerWithEffects(_RunnerWatchingNames):
     def _run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
         # An order input (_Runner.n_in) trails the function's own: the
         # generator reads the token by its index, and _Runner drops it.
-        if self.checks_flags and not effects_now(self.base).same_as(traced_for(self.base)):
-            raise TorchCallError(
-                f"{self.name}: the modules it runs changed training mode (module.train() or .eval()) or a "
-                f"dropout's rate (model.drop.p = 0.5), or "
-                f"had a submodule replaced or a hook added, since jax.jit traced it (or a name it reads now "
-                f"holds another module, function or state tensor: model = ..., a helper defined again, "
-                f"acc = torch.zeros(3); or its own run bound one, as self.act = drop if self.noisy else ident "
-                f"does), and now the function draws random numbers or updates state it keeps other than it "
-                f"did, which its derivatives would draw or update a second time. Trace again after such a "
-                f"change: jax.clear_caches(), or a new jax.jit of it (without jax.jit, the next call of the "
-                f"transform traces again by itself)."
-            )
+        # NOTE [fewer effects than a program was traced for] in replayed_calls.py
+        now = effects_now(self.base) if self.checks_flags else None
+        traced = traced_for(self.base)
+        fewer = None if now is None or now.same_as(traced) else now
+        if fewer is not None:
+            self._refuse_other_effects(inputs, fewer, traced)
+        # NOTE [a hook that removed itself in a value call] in replayed_calls.py
+        hooks_kept = now is not None and self.keeps_token and now.modes.hooks_in_place()
         call_effects = self.base.call_effects
         # On a GPU, the generator is handled in the nested call on XLA's stream.
         generator = self.generator if not stream else None
@@ -961,6 +965,43 @@ class _RunnerWithEffects(_RunnerWatchingNames):
             with call_effects():
                 with generator.around(inputs, outputs) if generator is not None else contextlib.nullcontext():
                     _Runner.__call__(self, inputs, outputs, stream)
+        token_at = len(self.base.out_avals) - 1
+        if now is not None and self.keeps_token and len(outputs) > token_at:
+            removed = hooks_kept and not now.modes.hooks_in_place()
+            note_value_call(self.base, outputs[token_at], fewer, removed)
+
+    def _refuse_other_effects(self, inputs: Sequence[torch.Tensor], now: Effects, traced: Effects) -> None:
+        """Refuse a call that finds effects ``now`` other than those the rules
+        that bound it saw (``traced``), but a keeping call whose effects are
+        within those, and the replay of the latest such call while they hold
+        (NOTE [fewer effects than a program was traced for] in
+        replayed_calls.py)."""
+        at = token_input(self.base)
+        if at is not None and replays_a_call_that_removed_hooks(self.base, inputs[at]):
+            raise TorchCallError(
+                f"{self.name}: a hook of the modules it runs removed itself in the value call whose derivative "
+                f"this is (a one-shot hook, such as an initialization from the first batch that then calls "
+                f"handle.remove()), so the derivative, which runs the function again, would run it without the "
+                f"hook and differentiate another function than the value's. Make the function's first call a "
+                f"plain one (f(x), outside jax.grad and jax.value_and_grad), which runs the hook once as "
+                f"PyTorch's first call does; its later derivatives run as the function is then."
+            )
+        if now.within(traced):
+            if at is None and self.keeps_token:
+                return
+            if at is not None and replays_with_fewer_effects(self.base, inputs[at], now):
+                return
+        raise TorchCallError(
+            f"{self.name}: the modules it runs changed training mode (module.train() or .eval()) or a "
+            f"dropout's rate (model.drop.p = 0.5), or "
+            f"had a submodule replaced or a hook added, since jax.jit traced it (or a name it reads now "
+            f"holds another module, function or state tensor: model = ..., a helper defined again, "
+            f"acc = torch.zeros(3); or its own run bound one, as self.act = drop if self.noisy else ident "
+            f"does), and now the function draws random numbers or updates state it keeps other than it "
+            f"did, which its derivatives would draw or update a second time. Trace again after such a "
+            f"change: jax.clear_caches(), or a new jax.jit of it (without jax.jit, the next call of the "
+            f"transform traces again by itself)."
+        )
 
 
 # NOTE [lock order]

@@ -91,6 +91,12 @@ class StateWrites:
         """Whether ``other`` names the same slots."""
         return self._slot_ids() == other._slot_ids()
 
+    def slots_within(self, other: StateWrites) -> bool:
+        """Whether every slot this names, ``other`` names too."""
+        tensors, names = self._slot_ids()
+        other_tensors, other_names = other._slot_ids()
+        return set(tensors) <= set(other_tensors) and set(names) <= set(other_names)
+
     def _slot_ids(self) -> tuple[list[Any], list[tuple[int, str]]]:
         # By memory: .data of a tensor kept is a new object on every run.
         tensors = [memory_of(t) or id(t) for t in self.closed_over]

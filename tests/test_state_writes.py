@@ -375,6 +375,29 @@ def test_a_jitted_derivative_traced_in_eval_mode_is_refused_after_train():
     jax.block_until_ready(step(params, _X))  # back in the mode it was traced in
 
 
+def test_a_jitted_derivative_traced_in_train_mode_runs_in_eval_mode():
+    # NOTE [fewer effects than a program was traced for]: in eval mode the
+    # module neither draws nor updates, which the token of the train-mode
+    # program covers; it was refused as a change of mode. Held against
+    # torch.func in eval mode, and the running statistics left alone.
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.5), torch.nn.BatchNorm1d(4))
+    module = module.to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(module)
+    step = jax.jit(jax.value_and_grad(lambda p, x: _square(apply(p, x))))
+    jax.block_until_ready(step(params, _X))
+    module.eval()
+    statistics = module[2].running_mean.clone()
+    value, grads = step(params, _X)
+    own = {name: p.detach() for name, p in module.named_parameters()}
+    expected_grads, expected_value = torch.func.grad_and_value(
+        lambda p: _square(torch.func.functional_call(module, p, (to_torch(_X),)))
+    )(own)
+    np.testing.assert_allclose(value, expected_value.item(), rtol=1e-5)
+    assert_tree_allclose(grads, {k: jnp.asarray(to_numpy(v)) for k, v in expected_grads.items()}, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(module[2].running_mean, statistics)
+
+
 def test_a_jacobian_replays_its_value_once_for_every_direction():
     # jax.jacfwd batches the tangents, not the token: one torch.vmap over
     # the directions replays the one value call. It ran a loop over the

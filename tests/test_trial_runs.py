@@ -1377,3 +1377,164 @@ def test_a_one_shot_initialization_scaling_a_weight_runs_once(x64):
     for _ in range(2):
         np.testing.assert_allclose(f(x), to_numpy(twin(to_torch(x)).detach()), rtol=1e-12)
     np.testing.assert_allclose(to_numpy(lin.weight.detach()), to_numpy(twin.weight.detach()), rtol=1e-12)
+
+
+class _Outer:
+    """A plain object holding another: ``outer.inner.model``."""
+
+
+def _one_shot_scaled(seed: int) -> torch.nn.Module:
+    """A linear layer whose output is scaled by a buffer that a one-shot
+    forward pre-hook sets from the first batch's spread, then removes
+    itself."""
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(3, 3).double().to(TORCH_DEVICE)
+    lin.register_buffer("scale", torch.ones(3, dtype=torch.float64, device=TORCH_DEVICE))
+    lin.register_forward_hook(lambda m, args, out: out * m.scale)
+    handle = []
+
+    def init(m, args):
+        m.scale.copy_(1.0 / args[0].std(0))
+        handle[0].remove()
+
+    handle.append(lin.register_forward_pre_hook(init))
+    return lin
+
+
+def _batches(count: int) -> list[np.ndarray]:
+    """Batches of growing spread: an init from any but the first is off."""
+    return [np.random.RandomState(k).randn(4, 3) * (k + 1) for k in range(count)]
+
+
+def _torch_outputs(module: torch.nn.Module, batches: list[np.ndarray]) -> list[np.ndarray]:
+    with torch.no_grad():
+        return [to_numpy(module(to_torch(jnp.asarray(b)))) for b in batches]
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+@pytest.mark.parametrize("how", ["jaxify", "jaxify_module"])
+def test_a_one_shot_hook_initializes_once_under_jax_jit(x64, compile, how):
+    """A one-shot init hook under ``jax.jit``: in graph mode the trace kept
+    it removed and its graph the hook's ops, and the compiled program ran
+    that graph on every call, so the init re-ran from every batch (off by
+    1.55 and 2.29 on calls 2 and 3: F9 of the review of the twentieth
+    session; NOTE [a hook that removed itself in a trace]). Held against the
+    same module run by PyTorch, call by call."""
+    module, twin = _one_shot_scaled(0), _one_shot_scaled(0)
+    batches = _batches(3)
+    if how == "jaxify":
+        call = jax.jit(t2j_ad.jaxify(lambda x: module(x), compile=compile))
+    else:
+        apply, params = t2j_ad.jaxify_module(module, compile=compile)
+        call = jax.jit(lambda x: apply(params, x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)  # the one eager call is no fallback
+        got = [np.asarray(call(jnp.asarray(b))) for b in batches]
+    for value, expected in zip(got, _torch_outputs(twin, batches)):
+        np.testing.assert_allclose(value, expected, rtol=1e-12)
+    np.testing.assert_allclose(to_numpy(module.scale), to_numpy(twin.scale), rtol=1e-12)
+    assert len(module._forward_pre_hooks) == 0
+
+
+class _ReadsAValue(torch.nn.Module):
+    """A scaled linear layer whose forward reads a value into Python: graph
+    mode cannot trace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3).double().to(TORCH_DEVICE)
+        self.register_buffer("scale", torch.ones(3, dtype=torch.float64, device=TORCH_DEVICE))
+
+    def forward(self, x):
+        y = self.lin(x) * self.scale
+        return y / 2 if float(y.detach().abs().max()) > 1e6 else y
+
+
+def test_a_one_shot_hook_runs_in_the_eager_call_after_a_failed_trace(x64):
+    """A trace that ran a one-shot init hook, then failed (a value read),
+    left the hook removed, so the eager call standing in for the graph never
+    set the scale (off by 2.44: F11 of the review of the twentieth session).
+    Held against the same module run by PyTorch."""
+
+    def made():
+        torch.manual_seed(0)
+        net = _ReadsAValue()
+        handle = []
+
+        def init(m, args):
+            m.scale.copy_(1.0 / args[0].std(0))
+            handle[0].remove()
+
+        handle.append(net.register_forward_pre_hook(init))
+        return net
+
+    net, twin = made(), made()
+    f = t2j_ad.jaxify(lambda x: net(x), compile="graph")
+    batches = _batches(2)
+    with pytest.warns(FallbackWarning):
+        got = [np.asarray(f(jnp.asarray(b))) for b in batches]
+    for value, expected in zip(got, _torch_outputs(twin, batches)):
+        np.testing.assert_allclose(value, expected, rtol=1e-12)
+    np.testing.assert_allclose(to_numpy(net.scale), to_numpy(twin.scale), rtol=1e-12)
+    assert len(net._forward_pre_hooks) == 0
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_one_shot_hook_on_a_module_reached_deeper_runs_in_the_first_real_call(x64, compile, jit):
+    """A one-shot init hook on a module the function reaches two plain
+    objects down (``outer.inner.model``): the trial run only put back the
+    hooks of the modules the function refers to, so this one stayed removed
+    and no real call ran it (off by 0.36: F6 of the review of the twentieth
+    session; NOTE [hooks a trial run registers]). Held against the same
+    module run by PyTorch."""
+    module, twin = _one_shot_scaled(0), _one_shot_scaled(0)
+    outer = _Outer()
+    outer.inner = _Outer()
+    outer.inner.model = module
+    f = t2j_ad.jaxify(lambda x: outer.inner.model(x), compile=compile)
+    call = jax.jit(f) if jit else f
+    batches = _batches(3)
+    got = [np.asarray(call(jnp.asarray(b))) for b in batches]
+    for value, expected in zip(got, _torch_outputs(twin, batches)):
+        np.testing.assert_allclose(value, expected, rtol=1e-12)
+    np.testing.assert_allclose(to_numpy(module.scale), to_numpy(twin.scale), rtol=1e-12)
+    assert len(module._forward_pre_hooks) == 0
+
+
+def _value_and_grad_after_init(twin: torch.nn.Module, batch: np.ndarray) -> tuple[float, np.ndarray]:
+    """PyTorch's value and gradient of the sum of squares of ``twin`` (its
+    one-shot hook run already) at ``batch``, by torch.func."""
+    grad, value = torch.func.grad_and_value(lambda x: (twin(x) ** 2).sum())(to_torch(jnp.asarray(batch)))
+    return value.item(), to_numpy(grad)
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+@pytest.mark.parametrize("plain_first", [False, True])
+def test_a_one_shot_hook_under_a_jitted_value_and_grad(x64, compile, plain_first):
+    """A one-shot init hook and ``jax.jit(jax.value_and_grad(f))``: every
+    step was refused until ``jax.clear_caches()``, blaming a training mode or
+    a hook added (F4 of the review of the twentieth session; NOTE [fewer
+    effects than a program was traced for]). A first step made by the
+    derivative is refused with a message naming the one-shot hook (NOTE [a
+    hook that removed itself in a value call]); every later step, and every
+    step after a plain first call, gives torch.func's value and gradient."""
+    module, twin = _one_shot_scaled(0), _one_shot_scaled(0)
+    f = t2j_ad.jaxify(lambda x: (module(x) ** 2).sum(), compile=compile)
+    step = jax.jit(jax.value_and_grad(f))
+    batches = _batches(4)
+    if plain_first:
+        value, (expected,) = f(jnp.asarray(batches[0])), _torch_outputs(twin, batches[:1])
+        np.testing.assert_allclose(value, (expected**2).sum(), rtol=1e-12)
+    else:
+        with pytest.raises(Exception, match="removed itself in the value call"):
+            jax.block_until_ready(step(jnp.asarray(batches[0])))
+        _torch_outputs(twin, batches[:1])  # PyTorch's first call: the init
+    np.testing.assert_allclose(to_numpy(module.scale), to_numpy(twin.scale), rtol=1e-12)
+    for batch in batches[1:]:
+        value, grad = step(jnp.asarray(batch))
+        expected_value, expected_grad = _value_and_grad_after_init(twin, batch)
+        np.testing.assert_allclose(value, expected_value, rtol=1e-12)
+        np.testing.assert_allclose(grad, expected_grad, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(to_numpy(module.scale), to_numpy(twin.scale), rtol=1e-12)
+    assert len(module._forward_pre_hooks) == 0
