@@ -81,6 +81,7 @@ from .output_buffers import (
 )
 from .public_bindings import through_public_bindings
 from .random_state import SeedWatch, generators_in_use
+from .module_locks import locks_under, taken_after
 from .real_writes import one_trial_run, trial_run
 from .rules.fallbacks import first_line, provisional, warn_once
 from .trace_check import (
@@ -677,9 +678,12 @@ def artifact_for(
     # inductor compile: seconds) must not hold up other TorchFns' builds.
     # The trace takes the trial-run lock, which comes first (NOTE [lock
     # order] in runtime.py): a forward-mode call holding it waited here for
-    # this lock while the thread holding this lock waited for it.
+    # this lock while the thread holding this lock waited for it. The locks
+    # of the modules its trial run takes come with it, a busy one waited for
+    # without it (NOTE [waiting for a lock without the trial-run lock] in
+    # module_locks.py): the trace could not let the trial-run lock go.
     lock: threading.Lock = base.__dict__.setdefault("graph_lock", threading.Lock())
-    with one_trial_run(), lock:
+    with taken_after(one_trial_run(), locks_under(_referenced(base)[1])), lock:
         artifact, moved = _holding(cache, where)
         if artifact is not None:
             return artifact, None

@@ -52,8 +52,8 @@ CPU runtime ran at once, put back each other's tensors, and the encoder was
 left holding a plain tensor, one call's parameter, for good. The locks are
 taken in one global order (by the locks' ids), so two calls never wait on
 each other; a module whose submodules change between calls takes the
-locks it has then (``_holding_locks``), after the trial-run lock (NOTE
-[calls made inside a module's forward]). The backward, which runs on the
+locks it has then (``_holding_locks``), and no other (NOTE [calls made
+inside a module's forward]). The backward, which runs on the
 recorded graph after the call, holds none. Graph mode traces the forward once (under the
 same lock) and never swaps again. A function that closes over the module
 (``jaxify(lambda x: model(x))``) takes no lock in its calls: on another
@@ -65,20 +65,21 @@ NOTE [calls made inside a module's forward]
 A module's forward may call another jaxify'd function (a PyTorch model that
 calls JAX), which takes the trial-run lock: for its trial run on a new
 shape, or to hold off trial runs while it updates state (NOTE [one trial run
-at a time] in real_writes.py). Taken there, it came after the module's
-locks, which the call already held, while a trial run of a function that
-closes over the module holds the trial-run lock and waits for the module's
-(NOTE [trial runs wait for module calls]): a module call on one thread and
-such a first call on another each waited for the other, for good, every
-run. So a call takes the trial-run lock before the module's, as NOTE [lock
-order] in runtime.py puts it first; it is reentrant, so the calls inside
-take it again at no cost. A forward cannot say beforehand whether it will
-nest, so every eager call of a module takes it: calls of different modules
-on different threads, and trial runs, take turns with them (calls of one
-module took turns already); a graph replay runs no forward and takes
-neither. Letting the module's locks go around the inner call instead would
-let another call bind its tensors, or another trial run see this call's,
-in the middle of this forward.
+at a time] in real_writes.py). Taken there, it comes after the module's
+locks, which the call already holds, while a trial run of a function that
+closes over the module takes the trial-run lock and then the module's (NOTE
+[trial runs wait for module calls]): a module call on one thread and such a
+first call on another each waited for the other, for good, every run. The
+trial run therefore waits for a busy module lock without holding the
+trial-run lock (NOTE [waiting for a lock without the trial-run lock] in
+module_locks.py), and the module call takes only its module's locks. Taking
+the trial-run lock before them, in every eager call (a forward cannot say
+beforehand whether it will nest), ended that deadlock too, but made a
+nested call that the forward waits for on another thread (an ``apply`` run
+by ``jax.pmap`` on XLA's device threads, or by a thread pool) wait for the
+lock the forward's own thread held, for good. Letting the module's locks go
+around the inner call instead would let another call bind its tensors, or
+another trial run see this call's, in the middle of this forward.
 
 NOTE [PyTorch's inference fast path]
 ``nn.MultiheadAttention`` and the ``nn.Transformer*`` layers take a fused
@@ -116,7 +117,7 @@ from .module_modes import refuse_uninitialized
 from .module_structure import ModuleChangedError
 from .held_bindings import release_after_the_call
 from .module_locks import acquire, in_lock_order, release
-from .real_writes import forwards_end_here, one_trial_run
+from .real_writes import forwards_end_here
 
 
 def _warn_narrowed_params_beside_wide_buffers(module: torch.nn.Module, params: Mapping[str, Any]) -> None:
@@ -506,7 +507,6 @@ def jaxify_module(
         copies = None if on_device is buffers.home else on_device
         # The module as it is now, as functional_call found it. NOTE [one module, many threads]
         with contextlib.ExitStack() as held:
-            held.enter_context(one_trial_run())  # before the module's: NOTE [calls made inside a module's forward]
             slots = held.enter_context(_holding_locks(slots_now))
             held.enter_context(_fast_path_off)
             if slots_now.unbound:

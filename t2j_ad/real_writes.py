@@ -55,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # private: see the NOTE
 
 from .jax_in_traces import CalledInsideTrace, note_jax_inside
-from .module_locks import acquire, in_lock_order, release
+from .module_locks import locks_under, taken_after
 from .module_hooks import (
     KeptTable,
     hook_tables_kept,
@@ -857,7 +857,9 @@ def one_trial_run() -> threading.RLock:
 # views of XLA buffers freed soon after, for good. So a trial run holds the
 # locks every ``jaxify_module`` call of the modules the function refers to
 # holds (and of their submodules that hold tensors), taken after the
-# trial-run lock as a call that updates state takes them; and an entry that
+# trial-run lock as a call that updates state takes them, a busy one waited
+# for without the trial-run lock (NOTE [waiting for a lock without the
+# trial-run lock] in module_locks.py); and an entry that
 # holds, when a forward ends, the tensor the run found there is left alone
 # (an outer binding that a KeyboardInterrupt unwound, such as the user's own
 # ``torch.func.functional_call``, put it back: NOTE [forwards a
@@ -878,10 +880,10 @@ def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()
     The hooks it removed from the modules it ran or refers to, and from the
     global tables, are put back too; ``TrialRun.hooks_put_back`` counts
     them once it has ended (NOTE [hooks a trial run registers])."""
-    with _one_trial_run, _in_trial_run(), _data_swaps_undone():
-        under = list(dict.fromkeys(sub for module in modules for sub in module.modules()))
-        locks = in_lock_order(m for m in under if m._parameters or m._buffers)
-        acquire(locks)
+    modules = list(modules)
+    under = list(dict.fromkeys(sub for module in modules for sub in module.modules()))
+    # NOTE [waiting for a lock without the trial-run lock] in module_locks.py
+    with taken_after(_one_trial_run, locks_under(modules)), _in_trial_run(), _data_swaps_undone():
         caches = CachesKept()
         first_hook = hooks_numbered()
         hooks = hook_tables_kept(under)
@@ -905,7 +907,6 @@ def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()
             put_back = put_back_removed_hooks(hooks)
             if run is not None:
                 run.hooks_put_back = put_back
-            release(locks)
 
 
 def _keeping_hooks_of_others(

@@ -25,6 +25,7 @@ from .functorch_levels import forward_ad_levels_kept, functorch_levels_open, out
 from .kept_inputs import CAN_MOVE, any_kept, kept_by_address, release_kept_inputs, unmovable_kept_input
 from .kept_inputs import references as kept_inputs_references
 from .malloc_tuning import tune_malloc
+from .module_locks import taken_after
 from .module_structure import StructureSeen
 from .real_writes import call_undone, one_trial_run, trial_running
 from .replayed_calls import (
@@ -502,9 +503,12 @@ class _Runner:
                             raise unmovable_kept_input()
 
     def _serialized(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int = 0) -> None:
-        # NOTE [forward AD is process-wide]; the trial-run lock first, which
-        # its trace, or a call its function makes, takes (NOTE [lock order]).
-        with one_trial_run(), _forward_ad_lock:
+        # NOTE [forward AD is process-wide]; a call about to trace takes the
+        # trial-run lock its trace takes first (NOTE [lock order]), and waits
+        # for a busy forward-AD lock without it (NOTE [waiting for a lock
+        # without the trial-run lock] in module_locks.py).
+        tracing = self.call == self._first_compiled_call
+        with taken_after(one_trial_run(), (_forward_ad_lock,)) if tracing else _forward_ad_lock:
             _forward_ad_held.held = True
             try:
                 with forward_ad_levels_kept():  # NOTE [an interrupt inside forward AD]
@@ -1012,16 +1016,17 @@ class _RunnerWithEffects(_RunnerWatchingNames):
 # process-wide]), a function's graph lock (held while its first compiled
 # call traces: graph_mode.artifact_for), then a module's own (NOTE [one
 # module, many threads]). A graph-mode trace takes the trial-run lock inside
-# the call that traces, and so does a jaxify'd function called inside the
-# call's function (NOTE [calls made inside a module's forward] in
-# module.py), so a call that takes any of the others first takes the
-# trial-run lock: a keeping or replaying call, a plain call of a function
-# that draws, every forward-mode call, artifact_for itself, and every
-# jaxify_module call before its module's locks (a module call nesting a
-# first call, and a first call of a function closing over that module on
-# another thread, each waited for the other; then a forward-mode module
-# call, holding the forward-AD lock, and a forward-mode first call tracing
-# on another thread did). Taken the other way round, the first call of a
+# the call that traces, so a call that takes any of the others first takes
+# the trial-run lock: a keeping or replaying call, a plain call of a function
+# that draws, a forward-mode call about to trace, and artifact_for itself. A
+# jaxify'd function called inside a call's function (a module's forward)
+# takes it after the locks that call holds; so a trial run, or a
+# forward-mode call about to trace, waits for a busy module or forward-AD
+# lock without holding it (NOTE [waiting for a lock without the trial-run
+# lock] in module_locks.py, NOTE [calls made inside a module's forward] in
+# module.py): a module call nesting a first call, and a first call of a
+# function closing over that module on another thread, each waited for the
+# other. Taken the other way round, the first call of a
 # random function's value in graph mode (the effects lock, then the trace's
 # trial-run lock) and a batch-norm step on another thread (the trial-run
 # lock, then the effects lock) would each wait for the other; and a

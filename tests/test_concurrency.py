@@ -190,8 +190,9 @@ class _Nesting(torch.nn.Module):
         return self.lin(x) + t2j_ad.tree_j2t(self.inner(self.make_input())).sum()
 
 
+@pytest.mark.parametrize("compile", ["eager", "graph"])
 @pytest.mark.parametrize("inner_kind", ["new shape", "updates state"])
-def test_a_module_call_nesting_a_call_beside_a_first_call_of_a_function_closing_over_it(inner_kind):
+def test_a_module_call_nesting_a_call_beside_a_first_call_of_a_function_closing_over_it(inner_kind, compile):
     # A jaxify_module call holds the module's locks while its forward runs; a
     # jaxify'd function called inside took the trial-run lock (for its trial
     # run on a new shape, or, updating state, to hold off trial runs), while a
@@ -221,7 +222,10 @@ def test_a_module_call_nesting_a_call_beside_a_first_call_of_a_function_closing_
             nested_sums = [float(reference_bn(torch.arange(12.0).reshape(4, 3)).sum()) for _ in range(calls)]
     outer = _Nesting(inner, make_input)
     apply, params = t2j_ad.jaxify_module(outer, output_shapes=jax.ShapeDtypeStruct((1, 3), jnp.float32))
-    closing_over = t2j_ad.jaxify(lambda x: outer.lin(x))
+    # In graph mode the trace, which holds the trial-run lock around its
+    # trial run, takes the module's locks with it (NOTE [waiting for a lock
+    # without the trial-run lock] in module_locks.py).
+    closing_over = t2j_ad.jaxify(lambda x: outer.lin(x), compile=compile)
     got_apply: list[np.ndarray] = []
     got_closing: list[np.ndarray] = []
 
@@ -283,3 +287,69 @@ def test_forward_mode_module_calls_beside_forward_mode_first_calls_that_trace():
         np.testing.assert_allclose(got, want_module.numpy(), rtol=1e-5, atol=1e-6)
     for got in got_traced:
         np.testing.assert_allclose(got, want_traced.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _finishes_within(work, seconds: float):
+    """``work()``'s result, run on a daemon thread; fails if it is still
+    running after ``seconds`` (a deadlock), and re-raises its failure."""
+    import threading
+
+    results: list = []
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(work())
+        except BaseException as err:  # noqa: BLE001 - re-raised below, in the test's thread
+            failures.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: a deadlock (NOTE [calls made inside a module's forward])"
+    if failures:
+        raise failures[0]
+    return results[0]
+
+
+class _Ensemble(torch.nn.Module):
+    """A module whose forward runs other jaxify_module applies on a thread
+    pool and waits for them."""
+
+    def __init__(self, members, pool) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(3, 1)
+        self.members, self.pool = members, pool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ones = jnp.ones((2, 3), jnp.float32)
+        futures = [self.pool.submit(lambda a=a, p=p: np.asarray(a(p, ones))) for a, p in self.members]
+        features = sum(torch.from_numpy(np.array(f.result())) for f in futures)
+        return self.head(x) * features.sum()
+
+
+def test_a_module_forward_waiting_for_jaxified_calls_on_a_thread_pool():
+    # Every eager module call held the trial-run lock for its whole forward,
+    # so the member applies the forward waited for, on the pool's threads,
+    # waited for that lock, for good (NOTE [calls made inside a module's
+    # forward]).
+    import concurrent.futures
+
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(3, 3) for _ in range(2)]
+    members = [t2j_ad.jaxify_module(lin) for lin in linears]
+    ones = jnp.ones((2, 3), jnp.float32)
+    for apply, params in members:
+        apply(params, ones)  # inferred before the ensemble's call
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
+        ensemble = _Ensemble(members, pool)
+        apply, params = t2j_ad.jaxify_module(ensemble)
+        got = [_finishes_within(lambda: np.asarray(apply(params, ones)), seconds=30) for _ in range(3)]
+    finally:
+        pool.shutdown(wait=False)  # its threads, deadlocked, would never end
+    with torch.no_grad():
+        features = sum(lin(torch.ones(2, 3)) for lin in linears)
+        want = (ensemble.head(torch.ones(2, 3)) * features.sum()).numpy()
+    for value in got:
+        np.testing.assert_allclose(value, want, rtol=1e-5, atol=1e-6)

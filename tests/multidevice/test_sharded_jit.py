@@ -521,3 +521,61 @@ def test_calls_with_empty_results_under_a_jit_over_the_mesh_return_them(mesh):
     assert out.shape == (8, 0) and float(total) == 24.0
     grads = jax.jit(jax.vmap(jax.grad(lambda x: f(x).sum())))(jax.device_put(empty, NamedSharding(mesh, P("b"))))
     assert grads.shape == (0, 3)
+
+
+def _finishes_within(work, seconds: float):
+    """``work()``'s result, run on a daemon thread; fails if it is still
+    running after ``seconds`` (a deadlock), and re-raises its failure."""
+    import threading
+
+    results: list = []
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(work())
+        except BaseException as err:  # noqa: BLE001 - re-raised below, in the test's thread
+            failures.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: a deadlock (NOTE [calls made inside a module's forward])"
+    if failures:
+        raise failures[0]
+    return results[0]
+
+
+def test_a_pmap_of_a_module_apply_inside_a_first_call():
+    # The outer function's first call holds the trial-run lock for its trial
+    # runs; the pmap inside runs the apply on XLA's device threads, and every
+    # eager module call took that lock first: each waited for the thread that
+    # waited for them, for good (NOTE [calls made inside a module's forward]).
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(3, 3)
+    apply, params = t2j_ad.jaxify_module(linear)
+    per_device = jax.pmap(lambda v: apply(params, v))
+    x4 = jnp.sin(jnp.arange(4 * 2 * 3, dtype=jnp.float32)).reshape(4, 2, 3)
+    outer = t2j_ad.jaxify(lambda x: x * torch.from_numpy(np.asarray(per_device(x4))).sum())
+    y = jnp.linspace(-1.0, 1.0, 3, dtype=jnp.float32)
+    got = [_finishes_within(lambda: np.asarray(outer(y)), seconds=30) for _ in range(2)]
+    with torch.no_grad():
+        want = torch.from_numpy(np.asarray(y)) * linear(torch.from_numpy(np.asarray(x4))).sum()
+    for value in got:
+        np.testing.assert_allclose(value, want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_pmap_of_forward_mode_calls_inside_a_first_call():
+    # Every forward-mode call took the trial-run lock, held here by the outer
+    # function's first call while the pmap's device threads ran the jvps.
+    inner = t2j_ad.jaxify(lambda t: torch.sin(t))
+    per_device = jax.pmap(lambda v: jax.jvp(inner, (v,), (jnp.ones_like(v),))[1])
+    x4 = jnp.linspace(-2.0, 2.0, 12, dtype=jnp.float32).reshape(4, 3)
+    outer = t2j_ad.jaxify(lambda x: x * torch.from_numpy(np.asarray(per_device(x4))).sum())
+    y = jnp.linspace(-1.0, 1.0, 3, dtype=jnp.float32)
+    got = [_finishes_within(lambda: np.asarray(outer(y)), seconds=30) for _ in range(2)]
+    t = torch.from_numpy(np.asarray(x4))
+    _, tangent = torch.func.jvp(torch.sin, (t,), (torch.ones_like(t),))
+    want = torch.from_numpy(np.asarray(y)) * tangent.sum()
+    for value in got:
+        np.testing.assert_allclose(value, want.numpy(), rtol=1e-5, atol=1e-5)
