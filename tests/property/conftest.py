@@ -38,6 +38,8 @@ TORCH_DEVICE = _shared.TORCH_DEVICE
 cuda_only = _shared.cuda_only
 to_numpy = _shared.to_numpy
 to_torch = _shared.to_torch
+count_resolutions = _shared.count_resolutions
+count_trial_runs = _shared.count_trial_runs
 
 _COMMON = dict(
     deadline=None,  # the first call of each shape compiles; timing is not the point
