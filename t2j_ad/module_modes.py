@@ -233,9 +233,9 @@ class ModuleModes:
         """Whether the modules hold the children and hooks they held, where
         something was registered since (NOTE [the hooks a graph ran]); if
         so, nothing is compared again until something more is."""
-        if self._registered == registrations():
-            return True
         registered = registrations()
+        if registered == self._registered:
+            return True
         if self._structure_now() != self._structure:
             return False
         self._registered = registered
@@ -278,7 +278,7 @@ class ModuleModes:
             and _class_forwards(self._classes) == self._class_forwards
             and (not self._rated or self._rates_now() == self._rates)
             and self._children_now() == self._children
-            and (not self._hook_places or hooks_still_in_place(self._hook_places))
+            and self.hooks_in_place()
             and self._structure_holds()
         )
 

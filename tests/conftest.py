@@ -180,3 +180,24 @@ def run_in_threads(work: Callable[[int], None], n: int) -> None:
         t.join()
     if failures:
         raise failures[0]
+
+
+def finishes_within(work: Callable[[], Any], seconds: float) -> Any:
+    """``work()``'s result, run on a daemon thread; fails if it is still
+    running after ``seconds`` (a deadlock), and re-raises its failure."""
+    results: list = []
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(work())
+        except BaseException as err:  # noqa: BLE001 - re-raised below, in the test's thread
+            failures.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: a deadlock (NOTE [calls made inside a module's forward])"
+    if failures:
+        raise failures[0]
+    return results[0]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import TORCH_DEVICE, run_in_threads
+from conftest import TORCH_DEVICE, finishes_within, run_in_threads
 
 import t2j_ad
 
@@ -289,29 +289,6 @@ def test_forward_mode_module_calls_beside_forward_mode_first_calls_that_trace():
         np.testing.assert_allclose(got, want_traced.numpy(), rtol=1e-5, atol=1e-6)
 
 
-def _finishes_within(work, seconds: float):
-    """``work()``'s result, run on a daemon thread; fails if it is still
-    running after ``seconds`` (a deadlock), and re-raises its failure."""
-    import threading
-
-    results: list = []
-    failures: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            results.append(work())
-        except BaseException as err:  # noqa: BLE001 - re-raised below, in the test's thread
-            failures.append(err)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running after {seconds} s: a deadlock (NOTE [calls made inside a module's forward])"
-    if failures:
-        raise failures[0]
-    return results[0]
-
-
 class _Ensemble(torch.nn.Module):
     """A module whose forward runs other jaxify_module applies on a thread
     pool and waits for them."""
@@ -345,7 +322,7 @@ def test_a_module_forward_waiting_for_jaxified_calls_on_a_thread_pool():
     try:
         ensemble = _Ensemble(members, pool)
         apply, params = t2j_ad.jaxify_module(ensemble)
-        got = [_finishes_within(lambda: np.asarray(apply(params, ones)), seconds=30) for _ in range(3)]
+        got = [finishes_within(lambda: np.asarray(apply(params, ones)), seconds=30) for _ in range(3)]
     finally:
         pool.shutdown(wait=False)  # its threads, deadlocked, would never end
     with torch.no_grad():

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import t2j_ad
 from t2j_ad.backends import registry
-from tests.conftest import assert_tree_allclose
+from tests.conftest import assert_tree_allclose, finishes_within
 
 B, D = 16, 3
 
@@ -523,29 +523,6 @@ def test_calls_with_empty_results_under_a_jit_over_the_mesh_return_them(mesh):
     assert grads.shape == (0, 3)
 
 
-def _finishes_within(work, seconds: float):
-    """``work()``'s result, run on a daemon thread; fails if it is still
-    running after ``seconds`` (a deadlock), and re-raises its failure."""
-    import threading
-
-    results: list = []
-    failures: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            results.append(work())
-        except BaseException as err:  # noqa: BLE001 - re-raised below, in the test's thread
-            failures.append(err)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running after {seconds} s: a deadlock (NOTE [calls made inside a module's forward])"
-    if failures:
-        raise failures[0]
-    return results[0]
-
-
 def test_a_pmap_of_a_module_apply_inside_a_first_call():
     # The outer function's first call holds the trial-run lock for its trial
     # runs; the pmap inside runs the apply on XLA's device threads, and every
@@ -558,7 +535,7 @@ def test_a_pmap_of_a_module_apply_inside_a_first_call():
     x4 = jnp.sin(jnp.arange(4 * 2 * 3, dtype=jnp.float32)).reshape(4, 2, 3)
     outer = t2j_ad.jaxify(lambda x: x * torch.from_numpy(np.asarray(per_device(x4))).sum())
     y = jnp.linspace(-1.0, 1.0, 3, dtype=jnp.float32)
-    got = [_finishes_within(lambda: np.asarray(outer(y)), seconds=30) for _ in range(2)]
+    got = [finishes_within(lambda: np.asarray(outer(y)), seconds=30) for _ in range(2)]
     with torch.no_grad():
         want = torch.from_numpy(np.asarray(y)) * linear(torch.from_numpy(np.asarray(x4))).sum()
     for value in got:
@@ -573,7 +550,7 @@ def test_a_pmap_of_forward_mode_calls_inside_a_first_call():
     x4 = jnp.linspace(-2.0, 2.0, 12, dtype=jnp.float32).reshape(4, 3)
     outer = t2j_ad.jaxify(lambda x: x * torch.from_numpy(np.asarray(per_device(x4))).sum())
     y = jnp.linspace(-1.0, 1.0, 3, dtype=jnp.float32)
-    got = [_finishes_within(lambda: np.asarray(outer(y)), seconds=30) for _ in range(2)]
+    got = [finishes_within(lambda: np.asarray(outer(y)), seconds=30) for _ in range(2)]
     t = torch.from_numpy(np.asarray(x4))
     _, tangent = torch.func.jvp(torch.sin, (t,), (torch.ones_like(t),))
     want = torch.from_numpy(np.asarray(y)) * tangent.sum()

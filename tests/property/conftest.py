@@ -40,6 +40,7 @@ to_numpy = _shared.to_numpy
 to_torch = _shared.to_torch
 count_resolutions = _shared.count_resolutions
 count_trial_runs = _shared.count_trial_runs
+finishes_within = _shared.finishes_within
 
 _COMMON = dict(
     deadline=None,  # the first call of each shape compiles; timing is not the point
