@@ -236,7 +236,7 @@ class JaxifiedFunction:
         # signature, the last few resolutions set aside, most recent first;
         # and what compile_stats() counted of those dropped beyond them.
         self._set_aside: dict[Any, list[_Signature]] = {}
-        self._dropped_stats = _no_stats()
+        self._dropped_stats = graph_mode.no_stats()
         self._lock = threading.RLock()  # a function may call its own wrapper while inferring
         functools.update_wrapper(self, torch_fn, updated=())
         _live_functions.add(self)
@@ -521,7 +521,7 @@ class JaxifiedFunction:
         with self._lock:
             self._cache.clear()
             self._set_aside.clear()
-            self._dropped_stats = _no_stats()
+            self._dropped_stats = graph_mode.no_stats()
 
     def compile_stats(self) -> dict[str, float]:
         """What ``compile="graph"``/``"inductor"`` made so far, over every input
@@ -536,16 +536,7 @@ class JaxifiedFunction:
         entries = [*list(self._cache.values()), *(e for kept in list(self._set_aside.values()) for e in list(kept))]
         dropped = dict(self._dropped_stats)
         counted = _stats_of(b for entry in entries for b in _bases_of(entry))
-        return {name: counted[name] + dropped[name] for name in _STATS}
-
-
-# What compile_stats() reports.
-_STATS = ("graphs", "eager_fallbacks", "trace_seconds", "compile_seconds")
-
-
-def _no_stats() -> dict[str, float]:
-    """``compile_stats()`` of nothing made."""
-    return {"graphs": 0, "eager_fallbacks": 0, "trace_seconds": 0.0, "compile_seconds": 0.0}
+        return {name: counted[name] + dropped[name] for name in graph_mode.STATS}
 
 
 # How many resolutions for earlier structures of its modules a jaxified
@@ -563,14 +554,13 @@ def _bases_of(entry: _Signature) -> list[BaseFn]:
 
 
 def _stats_of(bases: Iterable[BaseFn]) -> dict[str, float]:
-    """``compile_stats()`` of the artifacts ``bases`` made."""
-    artifacts = [a for base in bases for a in (*graph_mode.artifacts(base), *graph_mode.dropped(base))]
-    return {
-        "graphs": sum(a.run is not None for a in artifacts),
-        "eager_fallbacks": sum(a.run is None for a in artifacts),
-        "trace_seconds": sum(a.trace_seconds for a in artifacts),
-        "compile_seconds": sum(a.compile_seconds for a in artifacts),
-    }
+    """``compile_stats()`` of what ``bases`` made: the sum of each one's
+    (``graph_mode.stats_of``: its graphs kept and those dropped)."""
+    total = graph_mode.no_stats()
+    for base in bases:
+        for name, value in graph_mode.stats_of(base).items():
+            total[name] += value
+    return total
 
 
 def _rebuilt(

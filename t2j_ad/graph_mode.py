@@ -750,10 +750,32 @@ def artifacts(base: Any) -> list[Artifact]:
     return list(base.__dict__.get("graphs", {}).values())
 
 
-def dropped(base: Any) -> list[Artifact]:
-    """The artifacts ``_drop_the_oldest`` dropped for ``base``'s TorchFns,
-    without their graphs: what ``compile_stats()`` still counts."""
-    return list(base.__dict__.get("graphs_dropped", ()))
+# What compile_stats() reports, per function: graphs traced (and run),
+# TorchFns that run eagerly, seconds spent tracing and compiling.
+STATS = ("graphs", "eager_fallbacks", "trace_seconds", "compile_seconds")
+
+
+def no_stats() -> dict[str, float]:
+    """``compile_stats()`` of nothing made."""
+    return {"graphs": 0, "eager_fallbacks": 0, "trace_seconds": 0.0, "compile_seconds": 0.0}
+
+
+def stats_of(base: Any) -> dict[str, float]:
+    """``compile_stats()`` of what ``base``'s TorchFns made: the artifacts
+    kept, and the counts of those ``_drop_the_oldest`` dropped (NOTE [how
+    many graphs a function keeps])."""
+    counted = dict(base.__dict__.get("graphs_dropped") or no_stats())
+    for artifact in artifacts(base):
+        _count(counted, artifact)
+    return counted
+
+
+def _count(stats: dict[str, float], artifact: Artifact) -> None:
+    """Add ``artifact`` to ``stats``: a graph or an eager fallback, and what
+    its trace and compile cost."""
+    stats["graphs" if artifact.run is not None else "eager_fallbacks"] += 1
+    stats["trace_seconds"] += artifact.trace_seconds
+    stats["compile_seconds"] += artifact.compile_seconds
 
 
 # NOTE [how many graphs a function keeps]
@@ -766,29 +788,25 @@ def dropped(base: Any) -> list[Artifact]:
 # alive: 4.3 MB a step for a 1024 x 1024 head, without end. So each
 # transform stack and device keeps the graphs of its last few settings
 # (``_GRAPHS_KEPT``), dropping the oldest; ``compile_stats()`` still
-# counts what the dropped ones cost.
+# counts what the dropped ones cost, from counts the function keeps
+# (``graphs_dropped``), one dict however many were dropped, as a jaxified
+# function counts the signatures it drops (its ``_dropped_stats``): a stub
+# artifact kept per dropped graph grew by one on every step, without end.
+# A per-device copy of the function (``BaseFn.with_leading_size``) starts
+# with no counts of its own: sharing the function's, it had each drop made
+# before it counted twice, since ``compile_stats()`` adds the copies' in.
 _GRAPHS_KEPT = 8
 
 
 def _drop_the_oldest(base: Any, cache: dict[Any, Artifact], where: tuple[Any, Any]) -> None:
     """Keep ``_GRAPHS_KEPT`` traced artifacts of ``where`` in ``cache``, the
-    newest (NOTE [how many graphs a function keeps])."""
+    newest, and count those dropped in ``base``'s ``graphs_dropped`` (NOTE
+    [how many graphs a function keeps]). Called under ``base``'s graph lock."""
     traced = [key for key in cache if key[:2] == where and len(key) == 4]
     for key in traced[: max(0, len(traced) - _GRAPHS_KEPT)]:
-        old = cache.pop(key)
-        base.__dict__.setdefault("graphs_dropped", []).append(_without_its_graph(old))
-
-
-def _without_its_graph(artifact: Artifact) -> Artifact:
-    """What ``compile_stats()`` counts of ``artifact``: whether it ran a
-    graph, and what its trace and compile cost."""
-    kept = Artifact(None if artifact.run is None else _dropped_graph, artifact.reason, artifact.traced)
-    kept.trace_seconds, kept.compile_seconds = artifact.trace_seconds, artifact.compile_seconds
-    return kept
-
-
-def _dropped_graph(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    raise RuntimeError("t2j_ad: a dropped graph was run (NOTE [how many graphs a function keeps])")
+        dropped = dict(base.__dict__.get("graphs_dropped") or no_stats())
+        _count(dropped, cache.pop(key))
+        base.__dict__["graphs_dropped"] = dropped  # whole: stats_of reads it without the lock
 
 
 # Words in a trace's failure that say it read a tensor's value into Python

@@ -45,12 +45,24 @@ def in_lock_order(modules: Iterable[torch.nn.Module]) -> tuple[threading.RLock, 
     return tuple(sorted({id(lock): lock for lock in map(lock_of, modules)}.values(), key=id))
 
 
-def locks_under(modules: Iterable[torch.nn.Module]) -> tuple[threading.RLock, ...]:
-    """The locks a trial run of a function referring to ``modules`` holds:
-    those of every module under them that holds tensors, in lock order
-    (NOTE [trial runs wait for module calls] in real_writes.py)."""
-    under = dict.fromkeys(sub for module in modules for sub in module.modules())
+def modules_under(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+    """``modules`` and every module under them, each once, in the order
+    ``torch.nn.Module.modules`` walks them."""
+    return list(dict.fromkeys(sub for module in modules for sub in module.modules()))
+
+
+def locks_of(under: Iterable[torch.nn.Module]) -> tuple[threading.RLock, ...]:
+    """The locks a trial run holds, given ``under``, the modules under those
+    its function refers to (``modules_under``): those of each that holds
+    tensors, in lock order (NOTE [trial runs wait for module calls] in
+    real_writes.py)."""
     return in_lock_order(m for m in under if m._parameters or m._buffers)
+
+
+def locks_under(modules: Iterable[torch.nn.Module]) -> tuple[threading.RLock, ...]:
+    """The locks a trial run of a function referring to ``modules`` holds
+    (``locks_of`` the modules under them)."""
+    return locks_of(modules_under(modules))
 
 
 def acquire(locks: Iterable[LockLike]) -> None:

@@ -55,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # private: see the NOTE
 
 from .jax_in_traces import CalledInsideTrace, note_jax_inside
-from .module_locks import locks_under, taken_after
+from .module_locks import locks_of, modules_under, taken_after
 from .module_hooks import (
     KeptTable,
     hook_tables_kept,
@@ -880,10 +880,9 @@ def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()
     The hooks it removed from the modules it ran or refers to, and from the
     global tables, are put back too; ``TrialRun.hooks_put_back`` counts
     them once it has ended (NOTE [hooks a trial run registers])."""
-    modules = list(modules)
-    under = list(dict.fromkeys(sub for module in modules for sub in module.modules()))
+    under = modules_under(modules)  # walked once: what it keeps, and whose locks it holds
     # NOTE [waiting for a lock without the trial-run lock] in module_locks.py
-    with taken_after(_one_trial_run, locks_under(modules)), _in_trial_run(), _data_swaps_undone():
+    with taken_after(_one_trial_run, locks_of(under)), _in_trial_run(), _data_swaps_undone():
         caches = CachesKept()
         first_hook = hooks_numbered()
         hooks = hook_tables_kept(under)

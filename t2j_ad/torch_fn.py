@@ -195,6 +195,7 @@ class BaseFn:
         # (the traced graphs: NOTE [graph mode] in graph_mode.py).
         local.built = {}
         local.__dict__.pop("graphs", None)
+        local.__dict__.pop("graphs_dropped", None)  # counted on self (NOTE [how many graphs a function keeps])
         local.__dict__.pop("graph_lock", None)
         # Nor do the functions that keep and replay its calls (NOTE
         # [derivatives replay the value's draws] in replayed_calls.py).

@@ -1670,3 +1670,52 @@ def test_a_function_that_rebinds_data_runs_eagerly(x64):
         assert_tree_allclose(f(x), 3 * x)
     for k in range(2):
         assert_tree_allclose(jax.jit(f)(x + k), 3 * (x + k))
+
+
+class _HeadThatReadsItsValue(torch.nn.Linear):
+    """A head whose forward reads a value into Python: its trace fails, so
+    its function runs eagerly (an eager fallback)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y if y.sum() > 0 else -y
+
+
+def _live_artifacts() -> int:
+    gc.collect()
+    return sum(type(o) is graph_mode.Artifact for o in gc.get_objects())
+
+
+def test_dropped_graphs_are_counted_not_kept_one_by_one(x64):
+    """A compiled ``jax.jit`` given a fresh head every step traces on each,
+    and keeps the last few graphs (NOTE [how many graphs a function keeps]);
+    the function kept one stub artifact for every graph it dropped, so what
+    it held grew by one on every step, without end. The counts stand for
+    them: what is held stays the same over 40 more drops, and
+    ``compile_stats()`` still counts every trace, the dropped ones too
+    (graphs and eager fallbacks alike)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double().to(TORCH_DEVICE)
+    f = t2j_ad.jaxify(lambda x: (net(x) ** 2).sum(), compile="graph")
+    step = jax.jit(f)
+    x = jnp.array([1.0, -0.5, 0.25])
+    reads_its_value = lambda k: k % 3 == 2  # noqa: E731 - every third head runs eagerly
+    first_steps, more_drops = graph_mode._GRAPHS_KEPT + 10, 40
+    held = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        for k in range(first_steps + more_drops):
+            head = _HeadThatReadsItsValue if reads_its_value(k) else torch.nn.Linear
+            net[2] = head(4, 2).double().to(TORCH_DEVICE)
+            np.testing.assert_allclose(step(x), (net(to_torch(x)) ** 2).sum().item(), rtol=1e-12)
+            if k + 1 == first_steps:
+                held.append(_live_artifacts())
+    held.append(_live_artifacts())
+    steps = first_steps + more_drops
+    stats = f.compile_stats()
+    eager = sum(reads_its_value(k) for k in range(steps))
+    assert (stats["graphs"], stats["eager_fallbacks"], stats["compile_seconds"]) == (steps - eager, eager, 0.0), stats
+    assert stats["trace_seconds"] > 0
+    assert held[1] == held[0], held  # one more stub artifact per drop before
+    f.clear_cache()
+    assert f.compile_stats() == {"graphs": 0, "eager_fallbacks": 0, "trace_seconds": 0.0, "compile_seconds": 0.0}

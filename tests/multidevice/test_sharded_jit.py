@@ -556,3 +556,32 @@ def test_a_pmap_of_forward_mode_calls_inside_a_first_call():
     want = torch.from_numpy(np.asarray(y)) * tangent.sum()
     for value in got:
         np.testing.assert_allclose(value, want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_compile_stats_count_graphs_dropped_before_a_sharded_call_once(mesh):
+    # The per-device copy of a function (BaseFn.with_leading_size) shared its
+    # record of the graphs the function had dropped (NOTE [how many graphs a
+    # function keeps]), so compile_stats counted each of them twice once a
+    # sharded jax.jit had run it per device. A graph per dropout rate: more
+    # rates than graphs kept.
+    from t2j_ad import graph_mode
+
+    net = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Dropout(0.5))
+    f = t2j_ad.jaxify(lambda x: net(x), batch_argnums=0, compile="graph")
+    sharded_only = t2j_ad.jaxify(lambda x: net(x), batch_argnums=0, compile="graph")
+    _, x = _data()
+    xs = jax.device_put(x, NamedSharding(mesh, P("b")))
+    rates = [0.05 * (k + 1) for k in range(graph_mode._GRAPHS_KEPT + 3)] + [0.0]
+    for k, rate in enumerate(rates):
+        net[1].p = rate
+        torch.manual_seed(k)
+        got = f(x)
+        torch.manual_seed(k)
+        assert_tree_allclose(got, net(torch.as_tensor(np.asarray(x))).detach().numpy())
+    assert f.compile_stats()["graphs"] == len(rates)
+    expected = net(torch.as_tensor(np.asarray(x))).detach().numpy()  # rate 0: no draws
+    assert_tree_allclose(jax.jit(f)(xs), expected)
+    assert_tree_allclose(jax.jit(sharded_only)(xs), expected)
+    per_device = sharded_only.compile_stats()["graphs"]
+    assert per_device >= 1
+    assert f.compile_stats()["graphs"] == len(rates) + per_device, (f.compile_stats(), per_device)
