@@ -15,7 +15,11 @@ Three measurements, each timing its contenders round-robin in one run:
    hook again (``h = net[0].register_forward_hook(save); f(x); h.remove()``),
    ``jax.value_and_grad`` of a jaxify'd loss without ``jax.jit``: each
    handle is new, and the calls now keep their signature (NOTE [a hook
-   registered again]); ``the same, no hook`` is the loop without one.
+   registered again]); ``the same, no hook`` is the loop without one. The
+   ``jit graph`` pair is that loop around a compiled ``jax.jit`` of
+   ``value_and_grad`` in ``compile="graph"``: the same hook back keeps its
+   graph (NOTE [the hooks a graph ran] in module_modes.py), where it traced
+   again on every step before.
 3. A head swapped every step (``net.head = heads[step % 2]``), then
    ``jax.value_and_grad`` without ``jax.jit``, eager and graph: a head that
    comes back takes back its signature and graphs (NOTE [a structure seen
@@ -118,7 +122,12 @@ def hook_contenders() -> dict:
     x = np.random.default_rng(1).standard_normal((16, D_IN)).astype(np.float32)
     jx = jnp.asarray(x)
     contenders = {}
-    for name, hooked in [("hook around each call", True), ("the same, no hook", False)]:
+    for name, mode, jitted, hooked in [
+        ("hook around each call", "eager", False, True),
+        ("the same, no hook", "eager", False, False),
+        ("hook around each call, jit graph", "graph", True, True),
+        ("the same, no hook, jit graph", "graph", True, False),
+    ]:
         net = small_mlp().to(torch_device())
         saved = []
 
@@ -128,7 +137,9 @@ def hook_contenders() -> dict:
         def loss(x, net=net):
             return (net(x) ** 2).mean()
 
-        value_and_grad = jax.value_and_grad(t2j_ad.jaxify(loss))
+        value_and_grad = jax.value_and_grad(t2j_ad.jaxify(loss, compile=mode))
+        if jitted:
+            value_and_grad = jax.jit(value_and_grad)
 
         def step(net=net, value_and_grad=value_and_grad, hooked=hooked, saved=saved, save=save):
             handle = net[0].register_forward_hook(save) if hooked else None
@@ -212,7 +223,8 @@ def main() -> None:
                 f"loop / t2j_ad = {p['t2j_ad loop (as before)'] / p['t2j_ad']:.0f}x"
                 + "\n\n`value_and_grad` with a hook registered and removed around each call:\n\n"
                 + markdown_table(hooks, "the same, no hook")
-                + f"\n\nwith the hook / without = {h['hook around each call'] / h['the same, no hook']:.2f}x"
+                + f"\n\nwith the hook / without = {h['hook around each call'] / h['the same, no hook']:.2f}x; "
+                f"jit graph {h['hook around each call, jit graph'] / h['the same, no hook, jit graph']:.2f}x"
                 + "\n\n`value_and_grad` with the head swapped every step:\n\n"
                 + markdown_table(swaps, "no swap")
                 + f"\n\nswapping / not: eager {s['swap every step'] / s['no swap']:.2f}x, "

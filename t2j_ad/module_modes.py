@@ -112,6 +112,20 @@ flag. A registration elsewhere that changes none of them costs one
 comparison, then the counters are taken as they are. A function that ran
 no module assumes none of this: a global hook added after a ``jax.jit``
 of it compiled is Python state read once per trace (docs/compile-modes.md).
+A hook found gone from its place was first taken for a change at once,
+where the signature's structure compares the hooks as what they run
+(NOTE [a hook registered again] in module_structure.py): a notebook loop
+registering the same hook around every call (``h =
+net[2].register_forward_hook(save); step(x); h.remove()``) under a
+compiled ``jax.jit`` traced its graphs again on every step: right
+values, but 86-184 ms a step where the loop without the hook takes
+0.27-0.47 ms (the ``jit graph`` pair of benchmarks/bench_module_changes.py,
+on the shared 2-core CPU machine). So a hook gone makes the structure be
+compared, as a registration does, by the one check both use
+(``module_structure.nothing_moved``): the same hook back in its place
+keeps the graph (0.74-0.80 ms a step); another hook (other code, or the same
+code closing over another value), or none, does not; a one-shot hook is
+as NOTE [a hook that removed itself in a trace] in graph_mode.py says.
 """
 
 from __future__ import annotations
@@ -127,7 +141,7 @@ import torch
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from .module_hooks import hooks_still_in_place, own_global_hooks, user_hook_places, user_hooks_seen
-from .module_structure import registrations
+from .module_structure import nothing_moved, registrations
 from .references import Same, reachable
 
 _TRAINING = operator.attrgetter("training")
@@ -231,13 +245,19 @@ class ModuleModes:
 
     def _structure_holds(self) -> bool:
         """Whether the modules hold the children and hooks they held, where
-        something was registered since (NOTE [the hooks a graph ran]); if
-        so, nothing is compared again until something more is."""
+        something was registered since or a hook left its place (NOTE [the
+        hooks a graph ran]), the same hooks back counting as held (NOTE [a
+        hook registered again] in module_structure.py); if so, nothing is
+        compared again until something more is registered or removed."""
         registered = registrations()
-        if registered == self._registered:
+        if nothing_moved(registered, self._registered, self._hook_places):
             return True
-        if self._structure_now() != self._structure:
+        structure = self._structure_now()
+        if structure != self._structure:
             return False
+        # Held as they are now, so hooks made again in a loop do not keep
+        # the first alive (as StructureSeen.holds does).
+        self._structure = structure
         self._registered = registered
         self._hook_places = user_hook_places(self.modules)
         return True
@@ -268,9 +288,10 @@ class ModuleModes:
 
     def hold(self) -> bool:
         """Whether every module still has the training flag it had, it and
-        its class the ``forward`` they held, and it the children it held;
-        each read for all modules at once, in C (NOTE [a forward replaced
-        after a trace], NOTE [the submodules a graph ran])."""
+        its class the ``forward`` they held, and it the children and hooks
+        it held; each read for all modules at once, in C (NOTE [a forward
+        replaced after a trace], NOTE [the submodules a graph ran], NOTE
+        [the hooks a graph ran])."""
         return (
             list(map(dict.get, self._plain, repeat("training"))) == self._plain_flags
             and list(map(_TRAINING, self._others)) == self._other_flags
@@ -278,7 +299,6 @@ class ModuleModes:
             and _class_forwards(self._classes) == self._class_forwards
             and (not self._rated or self._rates_now() == self._rates)
             and self._children_now() == self._children
-            and self.hooks_in_place()
             and self._structure_holds()
         )
 

@@ -161,7 +161,7 @@ import torch
 import torch.nn.modules.module as _module_hooks  # public: torch.nn.modules.module.register_module_*_hook
 from torch.nn.parameter import is_lazy
 
-from .module_hooks import hooks_still_in_place, user_hook_places, user_hooks_registered, user_hooks_seen
+from .module_hooks import HookPlace, hooks_still_in_place, user_hook_places, user_hooks_registered, user_hooks_seen
 from .named_bindings import BindingsSeen
 
 # How many submodules, parameters and buffers have been registered on any
@@ -193,6 +193,16 @@ def registrations() -> tuple[int, int]:
     """How many submodules, parameters and buffers, and how many hooks, have
     been registered so far (NOTE [a hook added after a call])."""
     return _registered[0], user_hooks_registered()
+
+
+def nothing_moved(registered: tuple[int, int], since: tuple[int, int], places: Sequence[HookPlace]) -> bool:
+    """Whether nothing was registered between the counts ``since`` and
+    ``registered`` (``registrations()`` then and now) and every hook
+    ``places`` names is still in its table, so that the structure need not
+    be compared (NOTE [a hook removed after a call]); where this is False,
+    the structure is compared hook by hook as what they run, and the same
+    hooks back in their places hold (NOTE [a hook registered again])."""
+    return registered == since and (not places or hooks_still_in_place(places))
 
 
 def _submodules(modules: Sequence[Any]) -> list[Any]:
@@ -439,8 +449,7 @@ class StructureSeen:
         if self._bindings is not None and not self._bindings.hold():
             return False
         registered = registrations()
-        # NOTE [a hook removed after a call]
-        if registered == self._registered and (not self._hooks or hooks_still_in_place(self._hooks)):
+        if nothing_moved(registered, self._registered, self._hooks):
             return True
         submodules = _submodules(self._modules)
         structure = _structure(submodules)

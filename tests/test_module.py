@@ -1390,6 +1390,86 @@ def test_a_hook_or_a_child_added_after_jit_compiled_is_run(x64, compile):
     _jitted_value_and_grad_as_pytorch(step, net, x)
 
 
+class _Doubler:
+    def hook(self, module, args, output):
+        return output * 2
+
+
+def _scaling_hook(scale):
+    return lambda module, args, output: output * scale
+
+
+@pytest.mark.parametrize("hook", ["one function", "a lambda made again", "a method bound again"])
+@pytest.mark.parametrize("how", ["jaxify", "jaxify_module"])
+def test_a_hook_registered_and_removed_around_every_jitted_call_keeps_its_graph(x64, traces, how, hook):
+    """A notebook loop registering the same hook around every step of a
+    compiled ``jax.jit`` in graph mode (``h = net[2].register_forward_hook(
+    hook); step(x); h.remove()``): the graph's modes took the hook's new
+    handle for another hook and traced again on every step, where the
+    signature's structure compares hooks as what they run (NOTE [the hooks a
+    graph ran], NOTE [a hook registered again]). Values held against
+    PyTorch with the hook; no trace after the first step."""
+    net = _sequential_net()
+    doubler = _Doubler()
+    made = {
+        "one function": lambda: _doubling_hook,
+        "a lambda made again": lambda: (lambda module, args, output: output * 2),
+        "a method bound again": lambda: doubler.hook,
+    }[hook]
+    x = jnp.array([0.3, -1.2, 0.7])
+    if how == "jaxify":
+        f = t2j_ad.jaxify(lambda x: (net(x) ** 2).sum(), compile="graph")
+        step = jax.jit(jax.value_and_grad(f))
+    else:
+        apply, params = t2j_ad.jaxify_module(net, compile="graph")
+        f = apply
+        step = jax.jit(lambda x: apply(params, x))
+    stats, traced = None, None
+    for _ in range(4):
+        handle = net[2].register_forward_hook(made())
+        try:
+            if how == "jaxify":
+                _jitted_value_and_grad_as_pytorch(step, net, x)
+            else:
+                with torch.no_grad():
+                    expected = to_numpy(net(to_torch(x)))
+                np.testing.assert_allclose(step(x), expected, rtol=1e-12)
+        finally:
+            handle.remove()
+        if stats is None:
+            stats, traced = f.compile_stats(), len(traces)
+    assert len(traces) == traced
+    assert f.compile_stats() == stats
+
+
+def test_another_hook_registered_around_each_jitted_call_is_run(x64, traces):
+    """NOTE [the hooks a graph ran]: under a compiled ``jax.jit`` in graph
+    mode, only the same hook back keeps the graph; a hook of other code, the
+    same code closing over another number, a pre-hook in its place, or none,
+    gives PyTorch's value and gradient (no stale graph), and the same hook
+    back after them its own."""
+    net = _sequential_net()
+    step = jax.jit(jax.value_and_grad(t2j_ad.jaxify(lambda x: (net(x) ** 2).sum(), compile="graph")))
+    x = jnp.array([0.3, -1.2, 0.7])
+    for register in (
+        lambda: net[2].register_forward_hook(_scaling_hook(2.0)),
+        lambda: net[2].register_forward_hook(_scaling_hook(2.0)),
+        lambda: net[2].register_forward_hook(_scaling_hook(3.0)),
+        lambda: net[2].register_forward_hook(lambda module, args, output: output + 1.0),
+        lambda: net[2].register_forward_pre_hook(lambda module, args: (args[0] * 3.0,)),
+        lambda: net[0].register_forward_hook(_scaling_hook(3.0)),
+        lambda: None,
+        lambda: net[2].register_forward_hook(_scaling_hook(2.0)),
+    ):
+        handle = register()
+        try:
+            _jitted_value_and_grad_as_pytorch(step, net, x)
+        finally:
+            if handle is not None:
+                handle.remove()
+    assert traces  # graph mode traced: the values above are the graphs'
+
+
 def test_a_fresh_head_every_step_keeps_a_few_graphs_not_every_one(x64):
     """A compiled ``jax.jit`` given a fresh head every step (a sweep) traced
     one more graph on each and kept every one, with its head alive: 4.3 MB a
