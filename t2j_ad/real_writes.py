@@ -341,8 +341,14 @@ class ModuleAttributesKept:
         self._noted: set[int] = set()  # ids of the modules some open frame noted
         self.seen_modules: dict[int, torch.nn.Module] = {}  # every module a forward ran under, by id
 
+    def _watches_now(self) -> bool:
+        """Whether this is the innermost trial run open on the thread
+        running a forward: only it notes and puts back what the forward
+        binds (NOTE [a forward is the innermost trial run's])."""
+        return threading.get_ident() == self._thread and _watcher.kept is self
+
     def _starts(self, module: torch.nn.Module, args: Any) -> None:
-        if threading.get_ident() != self._thread:
+        if not self._watches_now():
             return
         noted: _Noted = {}
         owners: dict[int, tuple[torch.nn.Module, str]] = {}
@@ -376,7 +382,7 @@ class ModuleAttributesKept:
         self._open.append((module, noted, owners))
 
     def _ends(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() != self._thread:
+        if not self._watches_now():  # a frame it opened ends while it is innermost again
             return
         for i in range(len(self._open) - 1, -1, -1):  # this module's innermost forward
             if self._open[i][0] is module:
@@ -569,10 +575,34 @@ def _renewed_by_forward(module: torch.nn.Module, name: str) -> bool:
 # binds tensors into a module around its call ends, inside its own binding,
 # the forwards that started there and did not end (``forwards_end_here``).
 class _Watcher(threading.local):
-    kept: ModuleAttributesKept | None = None  # the trial run watching this thread's forwards
+    # The innermost trial run open on this thread: the one watching its
+    # forwards (NOTE [a forward is the innermost trial run's]).
+    kept: ModuleAttributesKept | None = None
 
 
 _watcher = _Watcher()
+
+
+# NOTE [a forward is the innermost trial run's]
+# Trial runs nest on one thread: a jaxified function first called inside
+# another's trial run infers its shapes in a run of its own, and its call is
+# a trial run of its own (``call_undone``) around its trace, another (NOTE
+# [a call inside a trial run]). Each run's ``ModuleAttributesKept`` hooks
+# every module's forward process-wide, and PyTorch calls the hooks in the
+# order they were registered: outermost run first. So when a nested graph-mode
+# function's module rebound a buffer (``self.ema = 0.5 * self.ema + ...``),
+# the outer run's hook put it back first, and the trace's own found nothing
+# rebound: the trace was not refused (NOTE [trial runs do not write to real
+# tensors]), and its graph, which cannot replay the rebinding, ran every
+# later call with the buffer as it was, never updated, even for plain calls
+# of the caller; the caller's run had counted the rebinding as its own
+# state instead of the nested run's (NOTE [a nested call's effects are its
+# caller's]). So a forward is watched by the innermost trial run open on
+# its thread alone (``_watcher.kept``): the trace refuses the rebinding and
+# the function runs eagerly; its eager call, in ``call_undone``'s run, puts
+# it back and tells the caller's run (``state_for_caller``). A forward that
+# started in an outer run, around the nested call, ends in that run again,
+# which puts back what it bound.
 
 
 @contextlib.contextmanager

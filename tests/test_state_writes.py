@@ -492,3 +492,63 @@ def test_a_nested_jaxified_call_that_keeps_state_updates_it_once_a_step(inner_fi
             assert_tree_allclose(got, (to_numpy(value.detach()), to_numpy(x.grad)), rtol=1e-5, atol=1e-5)
             assert_tree_allclose(_state(norm), _state(twin), rtol=1e-6, atol=1e-6)
     assert int(norm.num_batches_tracked) == 3 + inner_first  # one a step
+
+
+class _RebindsItsAverage(torch.nn.Module):
+    """Keeps an average by binding a new tensor to its buffer each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(3))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        self.ema = 0.5 * self.ema + 0.5 * t.mean(0)
+        return t - self.ema
+
+
+def _jaxified_inner(module: torch.nn.Module, inner: str, mode: str):  # noqa: ANN202 - a JAX function of one array
+    if inner == "jaxify":
+        return t2j_ad.jaxify(lambda t: module(t), compile=mode)
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
+    return lambda t: apply(params, t)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("how", ["call", "value_and_grad", "jit_value_and_grad"])
+@pytest.mark.parametrize("inner", ["jaxify", "jaxify_module"])
+@pytest.mark.parametrize("inner_first", [True, False], ids=["inner_called_first", "inner_first_called_inside"])
+def test_a_nested_jaxified_call_that_rebinds_a_buffer_updates_it_once_a_step(inner_first, inner, how, mode):
+    """A PyTorch function that calls a jaxified module whose ``forward``
+    binds a new tensor to its buffer. First called inside the outer's trial
+    run, a graph-mode inner was traced inside that run too, whose hooks put
+    the rebinding back before the trace's own saw it: the trace was not
+    refused, and its graph never updated the buffer (it stayed 0). Held
+    against the same composition in plain PyTorch, one update a step (NOTE
+    [a forward is the innermost trial run's] in real_writes.py)."""
+    module = _RebindsItsAverage().to(TORCH_DEVICE)
+    twin = copy.deepcopy(module)
+    nested = _jaxified_inner(module, inner, mode)
+    if inner_first:  # else its shapes are inferred, and it is traced, inside the outer's trial runs
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallbackWarning)  # the rebinding, refused by the trace, announced
+            jax.block_until_ready(nested(_NESTED_INPUT))
+        twin(to_torch(_NESTED_INPUT))
+
+    def outer(x):
+        return (x * t2j_ad.tree_j2t(nested(_NESTED_INPUT)).clone()).tanh().sum()
+
+    call = t2j_ad.jaxify(outer, compile=mode)
+    step = call if how == "call" else jax.value_and_grad(call)
+    step = jax.jit(step) if how == "jit_value_and_grad" else step
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", FallbackWarning)  # a function that calls JAX runs eagerly, announced
+        for _ in range(3):
+            got = jax.block_until_ready(step(_X[:4]))
+            x = to_torch(_X[:4]).requires_grad_()
+            value = (x * twin(to_torch(_NESTED_INPUT)).detach()).tanh().sum()
+            value.backward()
+            expected = to_numpy(value.detach()) if how == "call" else (to_numpy(value.detach()), to_numpy(x.grad))
+            assert_tree_allclose(got, expected, rtol=1e-5, atol=1e-5)
+            assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
+    if mode == "graph" and not inner_first:  # the inner's trace refused the rebinding, by name
+        assert any("binds a new tensor to _RebindsItsAverage.ema" in str(w.message) for w in seen)
