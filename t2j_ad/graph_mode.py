@@ -703,8 +703,7 @@ def artifact_for(
         artifact.modes = recorder.modes()
         if artifact.once:  # NOTE [a hook that removed itself in a trace]
             return artifact, first
-        cache[(*where, tuple((id(m), flag) for m, flag in artifact.modes), artifact.modes.rates())] = artifact
-        _drop_the_oldest(base, cache, where)
+        _keep(base, cache, where, artifact, moved)
     if isinstance(first, FirstRunNotUndone):
         raise first
     return artifact, first
@@ -722,18 +721,35 @@ def record_eager(base: Any, transforms: tuple[Any, ...], reason: str) -> None:
 _RETRACES_FOR_LAYOUTS = 3
 
 
-def _holding(cache: dict[Any, Artifact], where: tuple[Any, Any]) -> tuple[Artifact | None, bool]:
+def _holding(cache: dict[Any, Artifact], where: tuple[Any, Any]) -> tuple[Artifact | None, list[Any]]:
     """The artifact cached for ``where`` (transforms, device) whose modules
     have the training flags they were traced with, and whose held tensors
-    their layouts, if any; and whether one for these flags was found whose
-    held tensors changed layout."""
-    moved = False
+    their layouts, if any; and the keys of those found for these flags
+    whose held tensors changed layout (none when one holds)."""
+    moved: list[Any] = []
     for key, artifact in list(cache.items()):
         if key[:2] == where:
             if artifact.holds():
-                return artifact, False
-            moved = moved or (modes_hold(artifact.modes) and artifact.layouts is not None)
+                return artifact, []
+            if artifact.layouts is not None and modes_hold(artifact.modes):
+                moved.append(key)
     return None, moved
+
+
+def _keep(base: Any, cache: dict[Any, Artifact], where: tuple[Any, Any], artifact: Artifact, moved: list[Any]) -> None:
+    """Cache ``artifact``, traced for ``where``: in place of the artifacts
+    ``moved`` names, whose modes held but not their held tensors' layouts
+    (NOTE [the layouts a graph assumed]), counted as dropped; beside those
+    of other settings, the oldest beyond ``_GRAPHS_KEPT`` dropped (NOTE
+    [how many graphs a function keeps]). Called under ``base``'s graph lock."""
+    for key in moved:
+        if key in cache:
+            _count_dropped(base, cache.pop(key))
+    # Its own key, never one in use: graphs of settings its modules' ids,
+    # flags and rates do not tell apart (hooks, forwards) stand beside it.
+    setting = (tuple((id(m), flag) for m, flag in artifact.modes), artifact.modes.rates())
+    cache[(*where, setting, id(artifact))] = artifact
+    _drop_the_oldest(base, cache, where)
 
 
 def _retraced_for_layouts(base: Any, where: tuple[Any, Any]) -> int:
@@ -795,6 +811,18 @@ def _count(stats: dict[str, float], artifact: Artifact) -> None:
 # A per-device copy of the function (``BaseFn.with_leading_size``) starts
 # with no counts of its own: sharing the function's, it had each drop made
 # before it counted twice, since ``compile_stats()`` adds the copies' in.
+# Each graph is cached under a key of its own. Keyed by its modules' ids,
+# training flags and rates alone, a graph traced for a setting those do
+# not tell apart (a hook, an own ``forward`` set and deleted again)
+# replaced the graph of the setting before: a loop alternating a hooked
+# step and one without under a compiled ``jax.jit(jax.value_and_grad(f))``
+# traced on every step, 16 traces in 8 steps, where each setting now takes
+# back its graph (4 traces, on the first two steps). A new graph takes the
+# place of another only where that one's modes hold but its held tensors'
+# layouts do not (NOTE [the layouts a graph assumed]), and the one replaced
+# is counted as dropped: ``compile_stats()`` counted a replaced graph's
+# trace as never made (1 graph, and the latest trace's seconds, for a
+# parameter traced at three sizes).
 _GRAPHS_KEPT = 8
 
 
@@ -804,9 +832,16 @@ def _drop_the_oldest(base: Any, cache: dict[Any, Artifact], where: tuple[Any, An
     [how many graphs a function keeps]). Called under ``base``'s graph lock."""
     traced = [key for key in cache if key[:2] == where and len(key) == 4]
     for key in traced[: max(0, len(traced) - _GRAPHS_KEPT)]:
-        dropped = dict(base.__dict__.get("graphs_dropped") or no_stats())
-        _count(dropped, cache.pop(key))
-        base.__dict__["graphs_dropped"] = dropped  # whole: stats_of reads it without the lock
+        _count_dropped(base, cache.pop(key))
+
+
+def _count_dropped(base: Any, artifact: Artifact) -> None:
+    """Count ``artifact``, dropped from ``base``'s cache, in its
+    ``graphs_dropped`` (NOTE [how many graphs a function keeps]). Called
+    under ``base``'s graph lock."""
+    dropped = dict(base.__dict__.get("graphs_dropped") or no_stats())
+    _count(dropped, artifact)
+    base.__dict__["graphs_dropped"] = dropped  # whole: stats_of reads it without the lock
 
 
 # Words in a trace's failure that say it read a tensor's value into Python

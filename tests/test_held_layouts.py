@@ -37,6 +37,26 @@ def test_a_size_read_from_a_resized_parameter_is_read_again(traces):
     assert len(traces) == 3  # one per size the graph met, the repeated 2 replayed
 
 
+def test_compile_stats_count_the_graphs_a_resized_parameter_replaced(traces):
+    """A graph for old layouts is replaced by the one traced for the new
+    (NOTE [the layouts a graph assumed]), under the same key:
+    ``compile_stats()`` kept the graph's count and the latest trace's
+    seconds alone (1 graph for 3 traces); each trace made is counted
+    (NOTE [how many graphs a function keeps])."""
+    w = torch.nn.Parameter(torch.ones(4, device=TORCH_DEVICE))
+    f = t2j_ad.jaxify(lambda x: x * w.shape[0], compile="graph")
+    g = jax.jit(f)
+    x = jnp.arange(3.0)
+    seconds = []
+    for size in (4, 2, 2, 5):
+        w.data = torch.ones(size, device=TORCH_DEVICE)
+        assert_tree_allclose(g(x), x * size)
+        seconds.append(f.compile_stats()["trace_seconds"])
+    assert len(traces) == 3
+    assert f.compile_stats()["graphs"] == len(traces)
+    assert seconds[0] < seconds[1] == seconds[2] < seconds[3]  # each trace's seconds added, none replaced
+
+
 def test_a_resized_tensor_the_graph_holds_is_traced_again():
     # b is a graph constant: its new size reached b.sum() but not the size
     # the graph had read from it.

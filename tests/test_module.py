@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -1360,13 +1361,15 @@ def test_a_layer_pruned_after_jit_compiled_is_run_pruned(x64, compile):
 
 
 @pytest.mark.parametrize("compile", ["eager", "graph"])
-def test_a_hook_or_a_child_added_after_jit_compiled_is_run(x64, compile):
+def test_a_hook_or_a_child_added_after_jit_compiled_is_run(x64, traces, compile):
     """Under a compiled ``jax.jit``, a forward hook added to a module the
     graph ran, then removed, and a child appended to an ``nn.Sequential``
     that was empty when traced (which its forward then runs): the graph
     kept replaying what it traced (0.524 where PyTorch gives 0.931 for the
     child) (NOTE [the hooks a graph ran]). A hook registered again that
-    does the same keeps the graph traced with it."""
+    does the same keeps the graph traced with it, and the setting without
+    it takes back its own (NOTE [how many graphs a function keeps]):
+    counted by the traces made, which ``compile_stats()`` counts too."""
     torch.manual_seed(0)
     extra = nn.Sequential()
     net = nn.Sequential(nn.Linear(3, 3), extra).double().to(TORCH_DEVICE)
@@ -1376,18 +1379,20 @@ def test_a_hook_or_a_child_added_after_jit_compiled_is_run(x64, compile):
     _jitted_value_and_grad_as_pytorch(step, net, x)
     handle = net[0].register_forward_hook(_doubling_hook)
     _jitted_value_and_grad_as_pytorch(step, net, x)
+    traced = len(traces)  # with the hook and without: 4 in graph mode
     handle.remove()
     _jitted_value_and_grad_as_pytorch(step, net, x)
     handle = net[0].register_forward_hook(_doubling_hook)
     _jitted_value_and_grad_as_pytorch(step, net, x)
-    graphs = f.compile_stats()["graphs"]
     handle.remove()
     handle = net[0].register_forward_hook(_doubling_hook)
     _jitted_value_and_grad_as_pytorch(step, net, x)
-    assert f.compile_stats()["graphs"] == graphs  # the same hook again: no trace
+    assert len(traces) == traced  # the setting without it, then the same hook again: no trace
+    assert f.compile_stats()["graphs"] == len(traces)
     handle.remove()
     extra.append(nn.Linear(3, 3).double().to(TORCH_DEVICE))
     _jitted_value_and_grad_as_pytorch(step, net, x)
+    assert f.compile_stats()["graphs"] == len(traces) == (traced + 2 if compile == "graph" else 0)
 
 
 class _Doubler:
@@ -1468,6 +1473,61 @@ def test_another_hook_registered_around_each_jitted_call_is_run(x64, traces):
             if handle is not None:
                 handle.remove()
     assert traces  # graph mode traced: the values above are the graphs'
+
+
+def _alternating_setting(net: nn.Module, setting: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """How to put ``setting`` on ``net[2]`` and take it off again."""
+    handles = []
+    other_head = nn.Linear(4, 2).double().to(TORCH_DEVICE)
+    head = net[2]
+
+    def tripled(z: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(z, head.weight) * 3.0
+
+    def put_on() -> None:
+        if setting == "a hook":
+            handles.append(head.register_forward_hook(_doubling_hook))
+        elif setting == "a head swapped":
+            net[2] = other_head
+        else:
+            head.forward = tripled  # the same forward each time (a new one is a new setting)
+
+    def take_off() -> None:
+        if setting == "a hook":
+            handles.pop().remove()
+        elif setting == "a head swapped":
+            net[2] = head
+        else:
+            del head.forward
+
+    return put_on, take_off
+
+
+@pytest.mark.parametrize("setting", ["a hook", "a head swapped", "a forward replaced"])
+def test_a_setting_that_alternates_under_jit_takes_back_its_graph(x64, traces, setting):
+    """A loop alternating a step with a hook (or another head, or an own
+    ``forward``) and a step without, under a compiled ``jax.jit`` in graph
+    mode: graphs for both settings share the same modules, and the one
+    traced for a setting replaced the other's, so every step traced again
+    (4 traces a pair of steps) where NOTE [how many graphs a function
+    keeps] promises each setting its graph back. Values and gradients held
+    against PyTorch every step; traces on the first two steps alone, each
+    one counted by ``compile_stats()``."""
+    net = _sequential_net()
+    f = t2j_ad.jaxify(lambda x: (net(x) ** 2).sum(), compile="graph")
+    step = jax.jit(jax.value_and_grad(f))
+    put_on, take_off = _alternating_setting(net, setting)
+    x = jnp.array([0.3, -1.2, 0.7])
+    traced_by_the_first_pair = None
+    for _ in range(4):
+        put_on()
+        _jitted_value_and_grad_as_pytorch(step, net, x)
+        take_off()
+        _jitted_value_and_grad_as_pytorch(step, net, x)
+        if traced_by_the_first_pair is None:
+            traced_by_the_first_pair = len(traces)
+    assert len(traces) == traced_by_the_first_pair == 4  # value and VJP, with the setting and without
+    assert f.compile_stats()["graphs"] == len(traces)
 
 
 def test_a_fresh_head_every_step_keeps_a_few_graphs_not_every_one(x64):
