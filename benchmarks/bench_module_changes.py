@@ -24,6 +24,14 @@ Three measurements, each timing its contenders round-robin in one run:
    ``jax.value_and_grad`` without ``jax.jit``, eager and graph: a head that
    comes back takes back its signature and graphs (NOTE [a structure seen
    before]); ``no swap`` is the same step on one head.
+4. A dropout rate annealed every step (``net.drop.p = 0.5 * 0.99 **
+   step``) in an MLP 32-64-10, batch 64, ``jax.jit(jax.value_and_grad(
+   loss))`` of ``jaxify_module``'s apply, eager and graph, against
+   ``torch.func.grad_and_value`` of ``functional_call`` on the same
+   schedule; ``fixed rate`` is the same step at 0.5. A graph holds its
+   rate, so each new rate traced again, until NOTE [a rate annealed every
+   step] (graph_mode.py) ran new rates eagerly after three in a row (and
+   traces a rate again once it stays for three calls).
 
 Each contender's result is checked against ``torch.func`` or PyTorch on the
 same module first.
@@ -200,6 +208,93 @@ def swap_contenders() -> dict:
     return contenders
 
 
+class Dropped(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(D_IN, HIDDEN)
+        self.drop = torch.nn.Dropout(0.5)
+        self.head = torch.nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(torch.tanh(self.body(x))))
+
+
+def annealed_rate(step: int) -> float:
+    return 0.5 * 0.99**step
+
+
+def dropped_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Dropped().to(torch_device()).train()
+
+
+def check_seeded(value_and_grad, params, jx, net: torch.nn.Module, tx: torch.Tensor, name: str) -> None:
+    """``value_and_grad(params, jx)`` from seed 0 equals
+    ``torch.func.grad_and_value`` of the same loss on ``net`` from seed 0
+    (the same mask)."""
+    torch_params = {k: p.detach() for k, p in net.named_parameters()}
+
+    def torch_loss(p, x):
+        return (torch.func.functional_call(net, p, (x,)) ** 2).mean()
+
+    torch.manual_seed(0)
+    value, grads = jax.block_until_ready(value_and_grad(params, jx))
+    torch.manual_seed(0)
+    expected_grads, expected_value = torch.func.grad_and_value(torch_loss)(torch_params, tx)
+    np.testing.assert_allclose(float(value), expected_value.item(), rtol=1e-5, err_msg=name)
+    for key, g in expected_grads.items():
+        np.testing.assert_allclose(np.asarray(grads[key]), g.cpu().numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def rate_contenders() -> dict:
+    x = np.random.default_rng(3).standard_normal((BATCH, D_IN)).astype(np.float32)
+    jx, tx = jnp.asarray(x), torch.from_numpy(x).to(torch_device())
+    contenders = {}
+    for name, annealing in [("torch.func, annealed", True), ("torch.func, fixed rate", False)]:
+        net = dropped_net()
+        params = {k: p.detach() for k, p in net.named_parameters()}
+
+        def torch_loss(p, x, net=net):
+            return (torch.func.functional_call(net, p, (x,)) ** 2).mean()
+
+        step_of = torch.func.grad_and_value(torch_loss)
+        counter = [0]
+
+        def step(net=net, params=params, step_of=step_of, counter=counter, annealing=annealing):
+            if annealing:
+                counter[0] += 1
+                net.drop.p = annealed_rate(counter[0])
+            return torch_done(lambda: step_of(params, tx))()
+
+        contenders[name] = step
+    for name, mode, annealing in [
+        ("annealed, eager", "eager", True),
+        ("annealed, graph", "graph", True),
+        ("fixed rate, eager", "eager", False),
+        ("fixed rate, graph", "graph", False),
+    ]:
+        net = dropped_net()
+        apply, params = t2j_ad.jaxify_module(net, compile=mode)
+
+        def loss(params, x, apply=apply):
+            return (apply(params, x) ** 2).mean()
+
+        value_and_grad = jax.jit(jax.value_and_grad(loss))
+        counter = [0]
+
+        def step(net=net, params=params, value_and_grad=value_and_grad, counter=counter, annealing=annealing):
+            if annealing:
+                counter[0] += 1
+                net.drop.p = annealed_rate(counter[0])
+            return jax.block_until_ready(value_and_grad(params, jx))
+
+        for _ in range(6):  # past the rates a graph traces: each step checked
+            step()
+            check_seeded(value_and_grad, params, jx, net, tx, name)
+        contenders[name] = step
+    return contenders
+
+
 def main() -> None:
     args = thread_args(__doc__)
     sections = []
@@ -210,9 +305,11 @@ def main() -> None:
             pruned = time_calls(pruned_contenders(), repeats=args.repeats, repeats_of={"t2j_ad loop (as before)": 5})
             hooks = time_calls(hook_contenders(), repeats=args.repeats)
             swaps = time_calls(swap_contenders(), repeats=args.repeats)
+            rates = time_calls(rate_contenders(), repeats=args.repeats)
         p = {t.name: t.median for t in pruned}
         h = {t.name: t.median for t in hooks}
         s = {t.name: t.median for t in swaps}
+        r = {t.name: t.median for t in rates}
         sections.append(
             (
                 f"PyTorch threads: {n}",
@@ -228,7 +325,13 @@ def main() -> None:
                 + "\n\n`value_and_grad` with the head swapped every step:\n\n"
                 + markdown_table(swaps, "no swap")
                 + f"\n\nswapping / not: eager {s['swap every step'] / s['no swap']:.2f}x, "
-                f"graph {s['swap every step, graph'] / s['no swap, graph']:.2f}x",
+                f"graph {s['swap every step, graph'] / s['no swap, graph']:.2f}x"
+                + "\n\n`jax.jit(jax.value_and_grad)` with a dropout rate annealed every step:\n\n"
+                + markdown_table(rates, "torch.func, annealed")
+                + f"\n\nannealed: graph / eager = {r['annealed, graph'] / r['annealed, eager']:.2f}x, "
+                f"graph / torch.func = {r['annealed, graph'] / r['torch.func, annealed']:.2f}x; "
+                f"annealed / fixed rate: graph {r['annealed, graph'] / r['fixed rate, graph']:.2f}x, "
+                f"eager {r['annealed, eager'] / r['fixed rate, eager']:.2f}x",
             )
         )
     command = "python benchmarks/bench_module_changes.py --threads " + " ".join(map(str, args.threads))

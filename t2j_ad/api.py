@@ -528,7 +528,10 @@ class JaxifiedFunction:
         signature and transform stack: ``graphs`` (traced TorchFns, one per
         setting of the training flags of the modules they run),
         ``eager_fallbacks`` (TorchFns that run eagerly: their trace failed,
-        or they replay random draws once per example), ``trace_seconds`` and ``compile_seconds`` (inductor) spent;
+        or they replay random draws once per example), ``eager_for_rates``
+        (how often a TorchFn went on eagerly for dropout rates that keep
+        changing, rather than trace each: NOTE [a rate annealed every step]
+        in graph_mode.py), ``trace_seconds`` and ``compile_seconds`` (inductor) spent;
         the per-device functions of a sharded ``jax.jit`` included, and those
         made for the structures its modules had before (NOTE [a structure
         seen before] in module_structure.py). ``clear_cache`` starts them

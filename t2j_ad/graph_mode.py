@@ -481,8 +481,10 @@ class Artifact:
         self.compile_seconds = 0.0
         self.modes: ModuleModes = NO_MODES  # NOTE [a graph per training mode]
         self.layouts: HeldLayouts | None = None  # NOTE [the layouts a graph assumed]
-        # Whether it runs eagerly for the call that made it alone, neither
-        # cached nor announced (NOTE [a hook that removed itself in a trace]).
+        # Whether it runs eagerly for the call that made it alone (while its
+        # modules keep their modes), neither cached nor announced (NOTE [a
+        # hook that removed itself in a trace], NOTE [a rate annealed every
+        # step]).
         self.once = False
 
     def holds(self) -> bool:
@@ -490,6 +492,28 @@ class Artifact:
         training flags and forwards of the modules it ran (NOTE [a forward
         replaced after a trace]), the layouts of the tensors it holds."""
         return modes_hold(self.modes) and (self.layouts is None or self.layouts.hold())
+
+
+class EagerForRates(Artifact):
+    """Eager, while the modules ``modes`` recorded keep all but their rates
+    of dropout, at rates other than those of the graphs kept for them
+    (``kept_rates``) that have not settled (``seen``): each new rate runs
+    eagerly without a lookup (NOTE [a rate annealed every step])."""
+
+    __slots__ = ("kept_rates", "seen")
+
+    def __init__(self, modes: ModuleModes, kept_rates: list[tuple[Any, ...]], seen: RatesSeen) -> None:
+        super().__init__(None, "its dropout rates keep changing")
+        self.modes = modes
+        self.kept_rates = kept_rates
+        self.seen = seen
+        self.once = True
+
+    def holds(self) -> bool:
+        if not self.modes.hold_but_rates():
+            return False
+        rates = self.modes.rates_now()
+        return rates not in self.kept_rates and self.seen.run_eagerly(rates)
 
 
 def _build_artifact(
@@ -698,6 +722,10 @@ def artifact_for(
             )
             cache[(*where, "layouts keep changing")] = artifact
             return artifact, None
+        rated = _kept_but_for_rates(cache, where)
+        seen = _rates_seen(base, where)
+        if not seen.trace_new_setting(rated[0].modes.rates_now() if rated else None):
+            return _eager_for_rates(base, rated, seen), None  # NOTE [a rate annealed every step]
         with recording_module_modes(getattr(base, "referenced_modules", ())) as recorder:
             artifact, first = _build_artifact(mode, impl, base, inputs, grad_enabled, out_specs)
         artifact.modes = recorder.modes()
@@ -707,6 +735,124 @@ def artifact_for(
     if isinstance(first, FirstRunNotUndone):
         raise first
     return artifact, first
+
+
+# NOTE [a rate annealed every step]
+# A dropout's rate is part of its modules' mode (NOTE [a dropout's rate is
+# part of its mode] in module_modes.py), and a graph holds it as constants
+# of its ops (``bernoulli_(1 - p)``, ``div_(1 - p)``), so a rate annealed
+# every step (``m.drop.p = 0.5 * 0.99 ** step``) traced the value call and
+# its derivative again on every step: ``jax.jit(jax.value_and_grad(loss))``
+# of an MLP 32-64-10 with dropout took 140-200 ms a step where eager took
+# 1-1.5 ms (benchmarks/bench_module_changes.py, the 2-core CPU machine).
+# Taking the rate in as an input of the graph would need each constant a
+# rate became (``1 - p``, ``1 / (1 - p)``, an RNN's or an attention
+# kernel's ``dropout_p``) told apart from equal constants of other ops,
+# and a rate in a tensor draws other masks than PyTorch's float one
+# (``bernoulli_`` from the same seed). So once ``_RETRACES_FOR_RATES`` new
+# settings in a row of one transform stack and device differed from its
+# kept graphs' in their rates alone, a further such setting is not
+# traced: an ``EagerForRates`` runs it eagerly (the masks PyTorch draws
+# from the same seed, as every eager call), neither cached nor announced,
+# and goes on doing so, with no lookup, for each new rate while the
+# modules keep all else. Its kept graphs stay in use: a rate one was
+# traced with takes it back, and a setting that changes more than rates
+# (``model.eval()``) finds or traces its own, as before, and starts the
+# count again. ``compile_stats()["eager_for_rates"]`` counts how often a
+# TorchFn went on eagerly so.
+# A rate that then stays (the end of a schedule, or each plateau of a
+# step decay: ``p = 0.5 * 0.5 ** (step // 100)``) ran eagerly for good at
+# first, at eager speed, until something else about the modules changed.
+# So the rates an ``EagerForRates`` runs are counted too (``RatesSeen``):
+# the same rates run eagerly on ``_EAGER_CALLS_TO_SETTLE`` calls, with no
+# other new rates run eagerly between, have settled, and that call traces
+# them, their graph replayed from then on. The settled trace starts the
+# count again, as a setting that changes more than rates does, so an
+# annealing that resumes traces ``_RETRACES_FOR_RATES`` new rates again
+# before it runs eagerly, and a step decay traces once per plateau (per
+# TorchFn: a value and its derivative are two). Calls, not steps, are
+# counted: each check a runner makes before a call while it runs eagerly
+# is one (``_Runner`` checks twice under forward AD's lock, which settles
+# sooner); threads calling at once may lose a count, which moves only
+# when the trace comes.
+_RETRACES_FOR_RATES = 3
+_EAGER_CALLS_TO_SETTLE = 3
+
+
+class RatesSeen:
+    """What one transform stack and device of a function saw of settings
+    that changed rates of dropout alone (NOTE [a rate annealed every step]):
+    how many such new settings in a row were traced (``traced``), and the
+    rates run eagerly last (``eager_rates``), on how many calls
+    (``eager_calls``)."""
+
+    __slots__ = ("traced", "eager_rates", "eager_calls")
+
+    def __init__(self) -> None:
+        self.traced = 0
+        self.eager_rates: tuple[Any, ...] | None = None
+        self.eager_calls = 0
+
+    def trace_new_setting(self, rates_alone: tuple[Any, ...] | None) -> bool:
+        """Whether to trace a new setting of the modules, which changed the
+        kept graphs' rates alone, to ``rates_alone`` (None: it changed more,
+        or no graph was kept), and count it."""
+        if rates_alone is None or self._settled(rates_alone):
+            self.traced, self.eager_rates, self.eager_calls = 0, None, 0
+            return True
+        self.traced += 1
+        return self.traced <= _RETRACES_FOR_RATES
+
+    def run_eagerly(self, rates: tuple[Any, ...]) -> bool:
+        """Count one more eager call at ``rates``; whether it runs eagerly
+        (False: they settled, and the call traces them)."""
+        if rates == self.eager_rates:
+            self.eager_calls += 1
+        else:
+            self.eager_rates, self.eager_calls = rates, 1
+        return not self._settled(rates)
+
+    def _settled(self, rates: tuple[Any, ...]) -> bool:
+        return rates == self.eager_rates and self.eager_calls >= _EAGER_CALLS_TO_SETTLE
+
+
+def _kept_but_for_rates(cache: dict[Any, Artifact], where: tuple[Any, Any]) -> list[Artifact]:
+    """The artifacts cached for ``where`` (transforms, device) that would
+    hold but for the rates of their dropouts (NOTE [a rate annealed every
+    step])."""
+    return [
+        artifact
+        for key, artifact in list(cache.items())
+        if key[:2] == where
+        and artifact.modes.rates()
+        and artifact.modes.hold_but_rates()
+        and (artifact.layouts is None or artifact.layouts.hold())
+    ]
+
+
+def _rates_seen(base: Any, where: tuple[Any, Any]) -> RatesSeen:
+    """What ``where`` (transforms, device) of ``base`` saw of rates changed
+    alone (NOTE [a rate annealed every step])."""
+    seen: dict[Any, RatesSeen] = base.__dict__.setdefault("rates_seen", {})
+    return seen.setdefault(where, RatesSeen())
+
+
+def _eager_for_rates(base: Any, rated: list[Artifact], seen: RatesSeen) -> Artifact:
+    """An artifact that runs eagerly while the modules ``rated`` ran keep
+    all but their rates, at rates none of ``rated`` was traced with, until
+    they settle (``seen``); neither cached nor announced (NOTE [a rate
+    annealed every step])."""
+    base.__dict__["eager_for_rates"] = base.__dict__.get("eager_for_rates", 0) + 1
+    modes = rated[0].modes
+    seen.run_eagerly(modes.rates_now())  # this call's
+    return EagerForRates(modes, [artifact.modes.rates() for artifact in rated], seen)
+
+
+def eager_for_rates(base: Any) -> int:
+    """How often one of ``base``'s TorchFns went on eagerly for its new
+    dropout rates rather than trace each (NOTE [a rate annealed every
+    step])."""
+    return base.__dict__.get("eager_for_rates", 0)
 
 
 def record_eager(base: Any, transforms: tuple[Any, ...], reason: str) -> None:
@@ -767,22 +913,26 @@ def artifacts(base: Any) -> list[Artifact]:
 
 
 # What compile_stats() reports, per function: graphs traced (and run),
-# TorchFns that run eagerly, seconds spent tracing and compiling.
-STATS = ("graphs", "eager_fallbacks", "trace_seconds", "compile_seconds")
+# TorchFns that run eagerly, how often one went on eagerly for new rates of
+# dropout (NOTE [a rate annealed every step]), seconds spent tracing and
+# compiling.
+STATS = ("graphs", "eager_fallbacks", "eager_for_rates", "trace_seconds", "compile_seconds")
 
 
 def no_stats() -> dict[str, float]:
     """``compile_stats()`` of nothing made."""
-    return {"graphs": 0, "eager_fallbacks": 0, "trace_seconds": 0.0, "compile_seconds": 0.0}
+    return {"graphs": 0, "eager_fallbacks": 0, "eager_for_rates": 0, "trace_seconds": 0.0, "compile_seconds": 0.0}
 
 
 def stats_of(base: Any) -> dict[str, float]:
     """``compile_stats()`` of what ``base``'s TorchFns made: the artifacts
-    kept, and the counts of those ``_drop_the_oldest`` dropped (NOTE [how
-    many graphs a function keeps])."""
+    kept, the counts of those ``_drop_the_oldest`` dropped (NOTE [how many
+    graphs a function keeps]), and how often they went on eagerly for new
+    rates (NOTE [a rate annealed every step])."""
     counted = dict(base.__dict__.get("graphs_dropped") or no_stats())
     for artifact in artifacts(base):
         _count(counted, artifact)
+    counted["eager_for_rates"] += eager_for_rates(base)
     return counted
 
 

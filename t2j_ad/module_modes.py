@@ -40,7 +40,10 @@ again on every step, a trial run each (20-30 ms a step where a step took
 1-2 ms): the effects (what a function draws and writes) are kept by
 whether each dropout draws, which changes only at 0 (and 1), while a
 graph, which holds the rate as a constant, is traced per rate (NOTE [how
-many graphs a function keeps] in graph_mode.py bounds how many are kept).
+many graphs a function keeps] in graph_mode.py bounds how many are kept),
+for a few rates in a row: after those, new rates run eagerly until one
+stays for a few calls, which is traced (NOTE [a rate annealed every
+step] in graph_mode.py; ``hold_but_rates``).
 
 NOTE [a forward replaced after a trace]
 A graph holds the ops of the ``forward`` each module ran when it was
@@ -280,6 +283,10 @@ class ModuleModes:
         part of its mode])."""
         return tuple(self._rates)
 
+    def rates_now(self) -> tuple[Any, ...]:
+        """The rates of dropout of the modules recorded, as they are now."""
+        return tuple(self._rates_now())
+
     def __len__(self) -> int:
         return len(self.modules)
 
@@ -293,14 +300,30 @@ class ModuleModes:
         replaced after a trace], NOTE [the submodules a graph ran], NOTE
         [the hooks a graph ran])."""
         return (
+            self._flags_and_forwards_hold()
+            and (not self._rated or self._rates_now() == self._rates)
+            and self._structure_kept()
+        )
+
+    def hold_but_rates(self) -> bool:
+        """Whether all but the rates of dropout hold (NOTE [a rate annealed
+        every step] in graph_mode.py)."""
+        return self._flags_and_forwards_hold() and self._structure_kept()
+
+    def _flags_and_forwards_hold(self) -> bool:
+        """Whether each module's flag, its own ``forward`` and its class's hold."""
+        return (
             list(map(dict.get, self._plain, repeat("training"))) == self._plain_flags
             and list(map(_TRAINING, self._others)) == self._other_flags
             and list(map(dict.get, self._attributes, repeat("forward"))) == self._own_forwards
             and _class_forwards(self._classes) == self._class_forwards
-            and (not self._rated or self._rates_now() == self._rates)
-            and self._children_now() == self._children
-            and self._structure_holds()
         )
+
+    def _structure_kept(self) -> bool:
+        """Whether each module's children and hooks hold, a hook gone and
+        back counting as held (NOTE [the submodules a graph ran], NOTE [the
+        hooks a graph ran])."""
+        return self._children_now() == self._children and self._structure_holds()
 
     def now(self) -> tuple[Any, ...]:
         """The training flags and forwards as they are now, by identity (kept

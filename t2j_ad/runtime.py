@@ -581,7 +581,7 @@ class _Runner:
             # dropped after its first run hands back that call's results.
             results = self.impl(*inputs) if first is None else first
             self.call = self.impl
-            if not artifact.once:  # NOTE [a hook that removed itself in a trace] in graph_mode.py
+            if not artifact.once:  # NOTE [a hook that removed itself in a trace], NOTE [a rate annealed every step] in graph_mode.py
                 graph_mode.announce_fallback(self.base, self.name, self.compile, self.transforms, artifact)
             return results
         self.call = artifact.run

@@ -196,6 +196,10 @@ class BaseFn:
         local.built = {}
         local.__dict__.pop("graphs", None)
         local.__dict__.pop("graphs_dropped", None)  # counted on self (NOTE [how many graphs a function keeps])
+        # Its own rates seen and eager runs for them, not self's, counted twice
+        # (NOTE [a rate annealed every step] in graph_mode.py).
+        local.__dict__.pop("rates_seen", None)
+        local.__dict__.pop("eager_for_rates", None)
         local.__dict__.pop("graph_lock", None)
         # Nor do the functions that keep and replay its calls (NOTE
         # [derivatives replay the value's draws] in replayed_calls.py).

@@ -1718,4 +1718,4 @@ def test_dropped_graphs_are_counted_not_kept_one_by_one(x64):
     assert stats["trace_seconds"] > 0
     assert held[1] == held[0], held  # one more stub artifact per drop before
     f.clear_cache()
-    assert f.compile_stats() == {"graphs": 0, "eager_fallbacks": 0, "trace_seconds": 0.0, "compile_seconds": 0.0}
+    assert f.compile_stats() == {"graphs": 0, "eager_fallbacks": 0, "eager_for_rates": 0, "trace_seconds": 0.0, "compile_seconds": 0.0}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import threading
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -309,6 +310,153 @@ def test_a_dropout_rate_annealed_every_step_finds_its_effects_once(monkeypatch, 
         model[1].p = 0.4 - 0.05 * step
         _assert_as_pytorch_from_seed_0(value_and_grad, loss, _X)
     assert not found  # no trial run for a rate that draws as one seen
+
+
+def _rated_model(kind: str) -> tuple[torch.nn.Module, torch.nn.Module, Any, Any]:
+    """A model in training mode whose dropout is at 0.5, the module that
+    holds its rate, its loss and an input: an ``nn.Dropout`` between two
+    layers, or the dropout between a stacked LSTM's layers."""
+    torch.manual_seed(1)
+    if kind == "dropout":
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+        rated, x = model[1], _X
+    else:
+        model = torch.nn.LSTM(4, 5, num_layers=2, dropout=0.5, batch_first=True)
+        rated, x = model, _X[None]
+    model = model.to(TORCH_DEVICE).train()
+
+    def loss(x):
+        out = model(x)
+        return ((out[0] if kind == "lstm" else out) ** 2).sum()
+
+    return model, rated, loss, x
+
+
+def _set_rate(rated: torch.nn.Module, rate: float) -> None:
+    setattr(rated, "dropout" if isinstance(rated, torch.nn.RNNBase) else "p", rate)
+
+
+def _counting_python_runs(monkeypatch, rated: torch.nn.Module, step: Any) -> tuple[Any, list[int]]:
+    """``step``, and a list that gets, for each call of it, how often
+    ``rated``'s class ``forward`` ran in Python then (a trace, or an eager
+    call, runs it; a graph's replay does not)."""
+    runs: list[int] = []
+    forward = type(rated).forward
+
+    def counted_forward(self, *args, **kwargs):
+        runs.append(1)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(rated), "forward", counted_forward)
+    per_call: list[int] = []
+
+    def counted_step(*args):
+        before = len(runs)
+        result = jax.block_until_ready(step(*args))
+        per_call.append(len(runs) - before)
+        return result
+
+    return counted_step, per_call
+
+
+@pytest.mark.parametrize("kind", ["dropout", "lstm"])
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_a_dropout_rate_annealed_every_step_does_not_trace_every_step(monkeypatch, kind, use_jit):
+    """``m.drop.p = 0.5 * 0.9 ** step`` in graph mode traced the value call
+    and its derivative again on every step (a graph holds its rate as a
+    constant: 137 ms a step where eager took 0.9 ms). After a few rates in
+    a row it runs new rates eagerly, and a rate it kept a graph for takes
+    that graph back (NOTE [a rate annealed every step] in graph_mode.py).
+    Every step is held against PyTorch's own from the same seed (the same
+    masks)."""
+    model, rated, loss, x = _rated_model(kind)
+    jf = t2j_ad.jaxify(loss, compile="graph")
+    value_and_grad = jax.value_and_grad(jf)
+    value_and_grad = jax.jit(value_and_grad) if use_jit else value_and_grad
+    value_and_grad, runs = _counting_python_runs(monkeypatch, rated, value_and_grad)
+    value_and_grad(x)
+    _set_rate(rated, 0.45)
+    value_and_grad(x)  # the rates between 0 and 1: one look (and without jax.jit, graphs of their own)
+    before = jf.compile_stats()["graphs"]
+    for step in range(12):
+        _set_rate(rated, 0.45 * 0.9 ** (step + 1))
+        _assert_as_pytorch_from_seed_0(value_and_grad, loss, x)
+    stats = jf.compile_stats()
+    # The value call and its derivative: a graph for each of the next three
+    # rates (graph_mode._RETRACES_FOR_RATES), then none per rate (the 12
+    # steps traced 24 graphs).
+    assert stats["graphs"] - before <= 2 * 3, (before, stats)
+    assert stats["eager_for_rates"] >= 1 and stats["eager_fallbacks"] == 0, stats
+    _set_rate(rated, 0.45)  # a rate with a graph: no trace, no eager run
+    runs.clear()
+    for _ in range(2):
+        _assert_as_pytorch_from_seed_0(value_and_grad, loss, x)
+    assert runs == [0, 0], f"Python runs of the model per call at a rate with a kept graph: {runs}"
+    assert jf.compile_stats()["graphs"] == stats["graphs"]
+
+
+@pytest.mark.parametrize("kind", ["dropout", "lstm"])
+def test_a_fixed_dropout_rate_keeps_its_graph(monkeypatch, kind):
+    """A rate that does not change replays its graphs on every step, with
+    no eager run (NOTE [a rate annealed every step] stops tracing only
+    rates that keep changing); held against PyTorch's own from the same
+    seed."""
+    model, rated, loss, x = _rated_model(kind)
+    jf = t2j_ad.jaxify(loss, compile="graph")
+    value_and_grad, runs = _counting_python_runs(monkeypatch, rated, jax.jit(jax.value_and_grad(jf)))
+    value_and_grad(x)
+    runs.clear()
+    for _ in range(6):
+        _set_rate(rated, 0.5)
+        _assert_as_pytorch_from_seed_0(value_and_grad, loss, x)
+    assert runs == [0] * 6, f"Python runs of the model per call at a fixed rate: {runs}"
+    stats = jf.compile_stats()
+    assert stats["eager_for_rates"] == 0 and stats["eager_fallbacks"] == 0, stats
+
+
+@pytest.mark.parametrize("kind", ["dropout", "lstm"])
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_a_dropout_rate_that_stops_changing_gets_its_graph(monkeypatch, traces, kind, use_jit):
+    """A rate that stayed after an annealing (the end of a schedule, a step
+    decay's plateau) ran eagerly for good, at eager speed. Held for a few
+    calls it is traced and replayed; an annealing that resumes runs eagerly
+    again after a few new rates, without a trace per step (NOTE [a rate
+    annealed every step] in graph_mode.py). Every step is held against
+    PyTorch's own from the same seed (the same masks)."""
+    model, rated, loss, x = _rated_model(kind)
+    jf = t2j_ad.jaxify(loss, compile="graph")
+    value_and_grad = jax.value_and_grad(jf)
+    value_and_grad = jax.jit(value_and_grad) if use_jit else value_and_grad
+    value_and_grad, runs = _counting_python_runs(monkeypatch, rated, value_and_grad)
+    value_and_grad(x)
+    for step in range(8):
+        _set_rate(rated, 0.5 * 0.9 ** (step + 1))
+        _assert_as_pytorch_from_seed_0(value_and_grad, loss, x)
+    annealed = jf.compile_stats()
+    assert annealed["eager_for_rates"] >= 1 and annealed["eager_fallbacks"] == 0, annealed
+    # The rate stays: eager on its first calls, then traced (the value call
+    # and its derivative), then replayed, no Python run of the model.
+    traces.clear()
+    runs.clear()
+    for _ in range(6):
+        _set_rate(rated, 0.5 * 0.9**8)
+        _assert_as_pytorch_from_seed_0(value_and_grad, loss, x)
+    assert traces, "the rate that stayed was never traced"
+    assert runs[-3:] == [0, 0, 0], f"Python runs of the model per call at a rate that stayed: {runs}"
+    held = jf.compile_stats()
+    assert held["graphs"] > annealed["graphs"] and held["eager_fallbacks"] == 0, (annealed, held)
+    # The annealing resumes: a few new rates traced, then eager again.
+    traces_per_step = []
+    for step in range(8):
+        before = len(traces)
+        _set_rate(rated, 0.5 * 0.9 ** (step + 9))
+        _assert_as_pytorch_from_seed_0(value_and_grad, loss, x)
+        traces_per_step.append(len(traces) - before)
+    resumed = jf.compile_stats()
+    assert resumed["eager_for_rates"] > held["eager_for_rates"], (held, resumed)
+    assert traces_per_step[-4:] == [0] * 4, f"traces per step of the resumed annealing: {traces_per_step}"
+    assert all(runs[-4:]), f"an annealed rate replayed a graph: {runs}"
+    assert resumed["eager_fallbacks"] == 0, resumed
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
