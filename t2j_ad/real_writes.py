@@ -652,7 +652,9 @@ class TrialRun:
         are its caller's]): a tensor written in place as the tensor itself,
         also one bound to a module (a graph of the called function writes
         it without running the module's ``forward``), and a name a
-        ``forward`` bound anew as the module's name."""
+        ``forward`` bound anew as the module's name; and what the jaxified
+        calls made inside this run updated, as they told it (NOTE [a nested
+        call's effects reach every caller])."""
         in_place = self._writes.state_written()
         rebound = self._attributes.rebound_state
         renamed = {(id(module), name) for module, name, _ in rebound}
@@ -661,11 +663,13 @@ class TrialRun:
             bound = next((t[name] for t in _attribute_tables(module) if name in t), None)
             if (id(module), name) not in renamed and isinstance(bound, torch.Tensor):
                 tensors.append(bound)
-        return StateWrites(
+        own = StateWrites(
             tuple(tensors),
             tuple((module, name) for module, name, _ in rebound),
             tuple((t.shape, t.dtype) for t in tensors) + tuple((old.shape, old.dtype) for *_, old in rebound),
         )
+        # NOTE [a nested call's effects reach every caller]
+        return merged(own, *self._nested_writes)
 
     @property
     def rebound(self) -> list[str]:
@@ -838,6 +842,22 @@ def apart_from_trial_runs() -> Iterator[None]:
 # writes on zeros for the caller's own, on whichever of the caller's runs
 # met the nested function first (the run on zeros, not the run on ones: two
 # runs that "write differently", refused).
+
+
+# NOTE [a nested call's effects reach every caller]
+# Nested calls go deeper than one level: an outer function calls a jaxified
+# middle one, which calls a jaxified training-mode BatchNorm. Inside the
+# outer's trial run the middle's call is a trial run of its own
+# (``call_undone``), and the BatchNorm's call, inside that, one more, which
+# tells the middle's run what it wrote (``note_nested``). The middle's run
+# then told the outer's run only what it wrote itself (``state_for_caller``
+# left out ``_nested_writes``): the outer's derivative call ran the middle,
+# and with it the BatchNorm, again, with nothing set back, and the
+# statistics were updated twice a step (``num_batches_tracked`` 2 where
+# PyTorch counts 1; spectral_norm's power iteration two steps ahead). So
+# what a run was told by the calls made inside it is part of what it tells
+# its own caller, at any depth (NOTE [a nested call's effects are its
+# caller's]).
 
 
 @contextlib.contextmanager

@@ -243,6 +243,28 @@ _NARROWED = {
 }
 
 
+# NOTE [a failing call's inputs stay put]
+# A failing call's traceback holds its inputs (the frames of the user's
+# function, of ``jaxify_module``'s forward), so the look at the end of the
+# call (NOTE [inputs kept past a call] in kept_inputs.py) found them kept.
+# Where inputs cannot be moved it already passed over a failing call ("not
+# a failing call's traceback"), and only its look for holders by address
+# did where they can; the move itself still ran. A call that fails inside
+# a caller's trial run is an expected one: a module whose forward calls,
+# through JAX, a ``jaxify_module`` of its own submodule runs it, in its run
+# on meta tensors, with meta buffers bound into the submodule, and it
+# fails there. Its inputs there are its caller's arrays, passed without a
+# copy (the nested ``params``), and after the move those arrays held freed
+# memory: every later call of the nested function computed garbage (a
+# scale of 2 read back as 1e-45). (A failing top-level call's move left its
+# arrays intact in the same check; why the nested one's does not is not
+# pinned down: the move is skipped for both.) A traceback
+# is no keeper (its frames never read a tensor again), so a failing call
+# moves nothing. A function that kept an input on purpose and then raised
+# (``self.prev = x; raise``) is left holding a view of XLA's buffer, as
+# such a call already was where inputs cannot be moved.
+
+
 class _Runner:
     """Everything a call of one TorchFn needs, computed once.
 
@@ -492,11 +514,12 @@ class _Runner:
                 _set_num_threads(threads)
             if held is not None:
                 results = t = r = copied = None  # may view or be an input: the call's own, not kept
+                failing = sys.exception() is not handling  # NOTE [a failing call's inputs stay put]
                 if not copying and CAN_MOVE:
-                    if release_kept_inputs(inputs, held, base, handling):
+                    if not failing and release_kept_inputs(inputs, held, base, handling):
                         base.keeps_inputs = True  # NOTE [inputs kept by their address]
                         raise unmovable_kept_input(by_address=True)
-                elif sys.exception() is handling and any_kept(inputs, held):  # not a failing call's traceback
+                elif not failing and any_kept(inputs, held):  # not a failing call's traceback
                     if not CAN_MOVE or kept_by_address(inputs, held, base):  # CAN_MOVE: the first call, on copies
                         base.keeps_inputs = True
                         if not copying:

@@ -552,3 +552,88 @@ def test_a_nested_jaxified_call_that_rebinds_a_buffer_updates_it_once_a_step(inn
             assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
     if mode == "graph" and not inner_first:  # the inner's trace refused the rebinding, by name
         assert any("binds a new tensor to _RebindsItsAverage.ema" in str(w.message) for w in seen)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("how", ["value_and_grad", "jit_value_and_grad"])
+@pytest.mark.parametrize("inner_first", [True, False], ids=["inner_called_first", "inner_first_called_inside"])
+def test_a_jaxified_call_two_levels_down_that_keeps_state_updates_it_once_a_step(inner_first, how, mode):
+    """A PyTorch function that calls a jaxified one that calls a jaxified
+    training-mode BatchNorm: the middle call's trial run was told what the
+    BatchNorm wrote, but told the outer's only what it wrote itself, so the
+    outer's derivative call ran both again and the statistics were updated
+    twice a step. Held against the same composition in plain PyTorch (NOTE
+    [a nested call's effects reach every caller] in real_writes.py)."""
+    torch.manual_seed(0)
+    norm = torch.nn.BatchNorm1d(3).to(TORCH_DEVICE)
+    inner = t2j_ad.jaxify(lambda t: norm(t), compile=mode)
+    if inner_first:  # else its shapes are inferred inside the middle's trial runs, inside the outer's
+        jax.block_until_ready(inner(_NESTED_INPUT))
+    twin = copy.deepcopy(norm)
+    middle = t2j_ad.jaxify(lambda t: t * t2j_ad.tree_j2t(inner(_NESTED_INPUT)).clone(), compile=mode)
+
+    def outer(x):
+        return (x * t2j_ad.tree_j2t(middle(_NESTED_INPUT)).clone()).tanh().sum()
+
+    step = jax.value_and_grad(t2j_ad.jaxify(outer, compile=mode))
+    step = jax.jit(step) if how == "jit_value_and_grad" else step
+    nested_input = to_torch(_NESTED_INPUT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # functions that call JAX run eagerly, announced
+        for _ in range(3):
+            got = jax.block_until_ready(step(_X[:4]))
+            x = to_torch(_X[:4]).requires_grad_()
+            value = (x * (nested_input * twin(nested_input)).detach()).tanh().sum()
+            value.backward()
+            assert_tree_allclose(got, (to_numpy(value.detach()), to_numpy(x.grad)), rtol=1e-5, atol=1e-5)
+            assert_tree_allclose(_state(norm), _state(twin), rtol=1e-6, atol=1e-6)
+    assert int(norm.num_batches_tracked) == 3 + inner_first  # one a step
+
+
+class _ShiftedScale(torch.nn.Module):
+    """A parameter and a buffer, both read by the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.full((3,), 2.0))
+        self.register_buffer("shift", torch.ones(3))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return t * self.scale + self.shift
+
+
+class _CallsItsPartThroughJax(torch.nn.Module):
+    """Runs its submodule through another ``jaxify_module`` of it."""
+
+    def __init__(self, part: torch.nn.Module, run_part) -> None:  # noqa: ANN001 - a JAX function of no arguments
+        super().__init__()
+        self.part = part
+        object.__setattr__(self, "run_part", run_part)  # a plain function, not module state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * t2j_ad.tree_j2t(self.run_part()).clone()
+
+
+def test_a_nested_call_failing_in_its_callers_trial_run_leaves_the_callers_arrays_alone():
+    """A module whose forward calls, through JAX, a ``jaxify_module`` of its
+    own submodule: the outer's run on meta tensors binds meta buffers into
+    the submodule, and the nested call fails there, as it may (the outer
+    then infers on zeros). But the failing call's inputs, the nested
+    ``params`` (the caller's own JAX arrays, not copies), held only by the
+    failing exception's traceback, were taken for kept and moved to memory
+    of their own, and the caller's array came out holding freed memory: the
+    nested call computed garbage ever after. Held against the same
+    composition in plain PyTorch (NOTE [a failing call's inputs stay put]
+    in runtime.py)."""
+    part = _ShiftedScale().to(TORCH_DEVICE)
+    apply_part, part_params = t2j_ad.jaxify_module(part)
+    jax.block_until_ready(apply_part(part_params, _NESTED_INPUT))  # first called on its own
+    expected_part = part(to_torch(_NESTED_INPUT)).detach()
+    outer = _CallsItsPartThroughJax(part, lambda: apply_part(part_params, _NESTED_INPUT))
+    apply, params = t2j_ad.jaxify_module(outer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # a function that calls JAX runs eagerly, announced
+        for _ in range(2):
+            got = jax.block_until_ready(apply(params, _X[:4]))
+            assert_tree_allclose(got, to_numpy(to_torch(_X[:4]) * expected_part), rtol=1e-6, atol=1e-6)
+            assert_tree_allclose(part_params, {"scale": np.full(3, 2.0, np.float32)})
