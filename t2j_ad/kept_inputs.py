@@ -48,6 +48,25 @@ copies, is looked at too, so a function that keeps inputs from the start
 one call, naming the fix. Where the input is kept by its address, the move
 cannot help either: NOTE [inputs kept by their address].
 
+NOTE [the move's copy is no write of the run around]
+``own.copy_(storage)`` is an ``aten.copy_`` into a tensor around ``own``,
+and PyTorch dispatches it to the modes on the stack. A call made inside
+another function's trial run (``call_undone`` in real_writes.py) ends,
+and moves what it kept, inside that run's ``RealWritesUndone``: the copy
+was noted as an in-place write of a tensor no op of the run made, and
+its value before (``own``'s fresh, uninitialized memory) saved. The swap
+then gave that tensor XLA's buffer (the caller's JAX array, passed
+without a copy), and the run's end "put back" the saved value into it:
+the caller's array read heap garbage from then on (a scale of 2 read
+back as 1e-45, or 8e35), and the run reported state "updated differently
+on zeros than on ones" (the copy counted as a closed-over write). A
+nested call that keeps its input (``kept.append(w)``, ``self.prev = x``)
+did this on every call inside a trial run; a failing nested call, whose
+traceback held its inputs, did it too (NOTE [a failing call's inputs
+stay put] in runtime.py). A top-level call moves outside any run, which
+is why its arrays stayed intact. So the copy runs with the modes set
+aside: it is t2j_ad's, no write of the user's function.
+
 NOTE [inputs kept by their address]
 The move reaches what holds the storage: every tensor viewing it. A NumPy
 array made from an input (``x.numpy()``, ``np.asarray(x)``, the common
@@ -169,6 +188,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes  # private, as in real_writes.py
 
 # Private, as CUDA graph trees use them: how many tensors (and storage
 # objects) hold a storage, named by its address (read without making a
@@ -417,5 +437,6 @@ def unmovable_kept_input(by_address: bool = False) -> RuntimeError:
 
 def _to_own_memory(storage: torch.UntypedStorage) -> None:
     own = torch.UntypedStorage(storage.nbytes(), device=storage.device)
-    own.copy_(storage)
+    with _disable_current_modes():  # NOTE [the move's copy is no write of the run around]
+        own.copy_(storage)
     storage._swap_data_ptr_(own)  # ``own`` now holds XLA's buffer, and lets it go here

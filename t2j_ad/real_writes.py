@@ -530,9 +530,13 @@ def _recomputed(module: torch.nn.Module, table: dict[str, Any], name: str, old: 
 # what such an attribute held when it started (``state_writes.
 # recomputed_bindings_kept``): else a derivative's functorch wrapper, or
 # torch.vmap's batched tensor, stayed bound in the user's module after the
-# call (as torch.func leaves it). A hook of the user's own that rebinds
-# ``module.weight`` from ``weight_orig`` is not known to be pure, and counts
-# as state, as before.
+# call (as torch.func leaves it). A graph-mode call leaves it as it found
+# it too: a graph replays the hook's ops, not its binding, and binding the
+# call's value would cost every call (the hook run again on the call's
+# parameters, or a weight-sized output kept out of the graph), for a value
+# no forward reads; docs/compile-modes.md says so and how to read it. A
+# hook of the user's own that rebinds ``module.weight`` from
+# ``weight_orig`` is not known to be pure, and counts as state, as before.
 
 
 # PyTorch's private names for a recurrent module's weight list and the weak

@@ -254,15 +254,20 @@ _NARROWED = {
 # through JAX, a ``jaxify_module`` of its own submodule runs it, in its run
 # on meta tensors, with meta buffers bound into the submodule, and it
 # fails there. Its inputs there are its caller's arrays, passed without a
-# copy (the nested ``params``), and after the move those arrays held freed
-# memory: every later call of the nested function computed garbage (a
-# scale of 2 read back as 1e-45). (A failing top-level call's move left its
-# arrays intact in the same check; why the nested one's does not is not
-# pinned down: the move is skipped for both.) A traceback
-# is no keeper (its frames never read a tensor again), so a failing call
-# moves nothing. A function that kept an input on purpose and then raised
-# (``self.prev = x; raise``) is left holding a view of XLA's buffer, as
-# such a call already was where inputs cannot be moved.
+# copy (the nested ``params``), and after the move those arrays held heap
+# garbage: every later call of the nested function computed garbage (a
+# scale of 2 read back as 1e-45). The move itself was not to blame: it ran
+# inside the caller's trial run, whose ``RealWritesUndone`` took its copy
+# for a write and, as the run ended, put back the uninitialized memory it
+# copied into, which the swap had made the caller's buffer (NOTE [the
+# move's copy is no write of the run around] in kept_inputs.py). A
+# failing top-level call moves outside any run, so its arrays stayed
+# intact. That copy is now made unseen by the run, for calls that fail or
+# keep on purpose alike; still, a traceback is no keeper (its frames never
+# read a tensor again), so a failing call moves nothing. A function that
+# kept an input on purpose and then raised (``self.prev = x; raise``) is
+# left holding a view of XLA's buffer, as such a call already was where
+# inputs cannot be moved.
 
 
 class _Runner:

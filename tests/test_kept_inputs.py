@@ -110,6 +110,53 @@ def test_a_later_write_through_a_kept_input_leaves_jax_arrays_alone():
     np.testing.assert_array_equal(to_numpy(state["acc"]), np.full(4, 1.0, np.float32))  # PyTorch's write
 
 
+# NOTE [the move's copy is no write of the run around]: a jaxified call that
+# keeps its input, made inside another jaxified function's trial run, moves
+# it there. The move's copy was taken for a write of that run, which put
+# back uninitialized memory into the caller's array when it ended.
+_NESTED_KEEPERS = ("a_list", "a_module")
+
+
+def _keeping_inner(keeper: str, kept: list[torch.Tensor]):
+    """A jaxified ``(w, x) -> x * w`` that keeps its input ``w`` past the call."""
+    if keeper == "a_list":
+
+        def fn(w, x):
+            kept.append(w)
+            return x * w
+
+        return t2j_ad.jaxify(fn)
+
+    class Keeping(torch.nn.Module):
+        def forward(self, w, x):
+            self.prev = w
+            kept.append(w)
+            return x * w
+
+    apply, _ = t2j_ad.jaxify_module(Keeping())
+    return lambda w, x: apply({}, w, x)
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+@pytest.mark.parametrize("keeper", _NESTED_KEEPERS)
+def test_a_nested_call_keeping_its_input_in_its_callers_trial_run_leaves_the_callers_array_alone(keeper, compile):
+    kept: list[torch.Tensor] = []
+    inner = _keeping_inner(keeper, kept)
+    w = jnp.arange(1.0, 4.0)
+    n = jnp.asarray(np.random.default_rng(1).normal(size=(4, 3)), jnp.float32)
+    for _ in range(2):  # the first call runs on copies; the later ones on w's own buffer
+        jax.block_until_ready(inner(w, n))
+    outer = t2j_ad.jaxify(lambda x: x * t2j_ad.tree_j2t(inner(w, n)).clone(), compile=compile)
+    x = jnp.full((4, 3), 2.0)
+    for step in range(3):  # the first runs the outer's trial runs, each with a call of the inner
+        with pytest.warns(t2j_ad.FallbackWarning) if compile == "graph" and not step else contextlib.nullcontext():
+            got = to_numpy(outer(x))  # graph mode: it calls a jaxified function, so runs eagerly
+        [jax.block_until_ready(jnp.full((3,), -1.0) + 0) for _ in range(50)]  # same-sized work after it
+        np.testing.assert_array_equal(to_numpy(w), np.arange(1.0, 4.0, dtype=np.float32))
+        np.testing.assert_allclose(got, to_numpy(x * n * w), rtol=1e-6)
+        np.testing.assert_array_equal(to_numpy(kept[-1]), np.arange(1.0, 4.0, dtype=np.float32))
+
+
 # NOTE [inputs kept by their address]: what holds an input's memory by its
 # address, which moving the storage does not reach (found by the ninth
 # fuzzing pass: a logging forward's arrays read XLA's reused buffers, and

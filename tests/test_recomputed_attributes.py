@@ -171,6 +171,41 @@ def test_a_derivative_leaves_the_recomputed_weight_a_plain_tensor():
     assert_tree_allclose(to_numpy(held.detach()), to_numpy((net[0].weight_orig * net[0].weight_mask).detach()))
 
 
+def _old_spectral_norm_training(net: torch.nn.Sequential) -> None:
+    torch.nn.utils.spectral_norm(net[0])  # training mode: the hook's power iteration updates weight_u
+
+
+_LEFT_AS_FOUND = {
+    "l1_unstructured": _l1,
+    "old_weight_norm": _old_weight_norm,
+    "old_spectral_norm_train": _old_spectral_norm_training,
+}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("how", list(_LEFT_AS_FOUND))
+def test_a_graph_mode_call_leaves_the_recomputed_weight_as_it_found_it(how, jit):
+    # docs/compile-modes.md: a graph replays the hook's ops, not its binding,
+    # so ``module.weight`` is the tensor it held before the call, where
+    # PyTorch's forward leaves the weight it computed; results and the
+    # power iteration's state are PyTorch's.
+    net, twin = _net(_LEFT_AS_FOUND[how], torch.float32), _net(_LEFT_AS_FOUND[how], torch.float32)
+    xs, _ = _data(torch.float32)
+    apply, params = t2j_ad.jaxify_module(net, compile="graph")
+    call = jax.jit(apply) if jit else apply
+    found = net[0].weight
+    for step in range(2):  # parameters other than the module's own, as in a training loop
+        scaled = {k: v * (1.0 + 0.5 * step) for k, v in params.items()}
+        got, messages = _fallbacks(lambda: call(scaled, jnp.asarray(to_numpy(xs))))
+        expected = torch.func.functional_call(twin, {k: to_torch(v) for k, v in scaled.items()}, (xs,))
+        assert messages == []
+        assert_tree_allclose(to_numpy(got), to_numpy(expected.detach()), rtol=1e-5, atol=1e-5)
+        assert net[0].weight is found
+        if how == "old_spectral_norm_train":
+            assert_tree_allclose(to_numpy(net[0].weight_u), to_numpy(twin[0].weight_u), rtol=1e-6, atol=1e-6)
+    assert apply.compile_stats()["eager_fallbacks"] == 0
+
+
 def test_a_pruned_module_with_running_statistics_loops_naming_them():
     # The loop stays for real state, and the warning names it, not the
     # pruned weight.
