@@ -31,7 +31,7 @@ Three measurements, each timing its contenders round-robin in one run:
    schedule; ``fixed rate`` is the same step at 0.5. A graph holds its
    rate, so each new rate traced again, until NOTE [a rate annealed every
    step] (graph_mode.py) ran new rates eagerly after three in a row (and
-   traces a rate again once it stays for three calls).
+   traces a rate again once it stays for as long as its trace takes).
 
 Each contender's result is checked against ``torch.func`` or PyTorch on the
 same module first.

@@ -493,6 +493,11 @@ class Artifact:
         replaced after a trace]), the layouts of the tensors it holds."""
         return modes_hold(self.modes) and (self.layouts is None or self.layouts.hold())
 
+    def eager_call(self, impl: Flat) -> Flat:
+        """What a runner calls for this artifact when it runs eagerly
+        (``run`` is None): ``impl`` itself."""
+        return impl
+
 
 class EagerForRates(Artifact):
     """Eager, while the modules ``modes`` recorded keep all but their rates
@@ -514,6 +519,21 @@ class EagerForRates(Artifact):
             return False
         rates = self.modes.rates_now()
         return rates not in self.kept_rates and self.seen.run_eagerly(rates)
+
+    def eager_call(self, impl: Flat) -> Flat:
+        """``impl``, each run timed into ``seen``'s eager seconds: its own
+        time alone, not the caller's work between calls (NOTE [a rate
+        annealed every step])."""
+        seen = self.seen
+
+        def timed(*inputs: torch.Tensor) -> Any:
+            start = time.perf_counter()
+            try:
+                return impl(*inputs)
+            finally:
+                seen.ran_eagerly_for(time.perf_counter() - start)
+
+        return timed
 
 
 def _build_artifact(
@@ -723,12 +743,14 @@ def artifact_for(
             cache[(*where, "layouts keep changing")] = artifact
             return artifact, None
         rated = _kept_but_for_rates(cache, where)
-        seen = _rates_seen(base, where)
+        seen = _rates_seen(base, where, rated)
         if not seen.trace_new_setting(rated[0].modes.rates_now() if rated else None):
             return _eager_for_rates(base, rated, seen), None  # NOTE [a rate annealed every step]
         with recording_module_modes(getattr(base, "referenced_modules", ())) as recorder:
             artifact, first = _build_artifact(mode, impl, base, inputs, grad_enabled, out_specs)
         artifact.modes = recorder.modes()
+        if artifact.run is not None:
+            seen.trace_cost = _cost_of(artifact)  # NOTE [a rate annealed every step]
         if artifact.once:  # NOTE [a hook that removed itself in a trace]
             return artifact, first
         _keep(base, cache, where, artifact, moved)
@@ -764,41 +786,61 @@ def artifact_for(
 # step decay: ``p = 0.5 * 0.5 ** (step // 100)``) ran eagerly for good at
 # first, at eager speed, until something else about the modules changed.
 # So the rates an ``EagerForRates`` runs are counted too (``RatesSeen``):
-# the same rates run eagerly on ``_EAGER_CALLS_TO_SETTLE`` calls, with no
-# other new rates run eagerly between, have settled, and that call traces
-# them, their graph replayed from then on. The settled trace starts the
-# count again, as a setting that changes more than rates does, so an
-# annealing that resumes traces ``_RETRACES_FOR_RATES`` new rates again
-# before it runs eagerly, and a step decay traces once per plateau (per
-# TorchFn: a value and its derivative are two). Calls, not steps, are
-# counted: each check a runner makes before a call while it runs eagerly
-# is one (``_Runner`` checks twice under forward AD's lock, which settles
-# sooner); threads calling at once may lose a count, which moves only
-# when the trace comes.
+# the same rates run eagerly, with no other new rates run eagerly between,
+# have settled once they ran on ``_EAGER_CALLS_TO_SETTLE`` calls and for as
+# long, all those eager runs together, as a trace of the TorchFn takes
+# (``_SETTLE_COST_SECONDS``, None: the trace and compile seconds of its
+# last trace for this transform stack and device, else of its kept graphs
+# of other rates); that call traces them, their graph replayed from then
+# on. The cost is the ski-rental bound: tracing after 3 calls instead took
+# some 90 ms a trace (a value and its derivative are two) to save 0.3 ms a
+# step of an MLP 32-64-10 under ``jax.jit(jax.value_and_grad)``, so with
+# plateaus of 25 steps graph mode took 6x eager's time over them. Waiting
+# until eager time reaches the trace's own, a plateau costs at most about
+# twice what eager would (its eager runs, then one trace), however short,
+# and a long one (an epoch, the end of a schedule) still gets its graph
+# after a few hundred steps. Each eager run is timed alone
+# (``EagerForRates.eager_call``: ``time.perf_counter`` around the run the
+# runner makes, 0.1 us), not the time between calls, which holds the
+# caller's other work. The settled trace starts the count again, as a
+# setting that changes more than rates does, so an annealing that resumes
+# traces ``_RETRACES_FOR_RATES`` new rates again before it runs eagerly,
+# and a step decay traces once per plateau long enough (per TorchFn).
+# Calls are counted as checks: each check a runner makes before a call
+# while it runs eagerly is one (``_Runner`` checks twice under forward
+# AD's lock, which meets the count sooner; the seconds are the runs').
+# Threads calling at once may lose a count or add a run's seconds to the
+# next rates, which moves only when the trace comes.
 _RETRACES_FOR_RATES = 3
 _EAGER_CALLS_TO_SETTLE = 3
+# The eager seconds a rate that stays runs before its trace (None: its
+# trace's own; tests set it).
+_SETTLE_COST_SECONDS: float | None = None
 
 
 class RatesSeen:
     """What one transform stack and device of a function saw of settings
     that changed rates of dropout alone (NOTE [a rate annealed every step]):
-    how many such new settings in a row were traced (``traced``), and the
-    rates run eagerly last (``eager_rates``), on how many calls
-    (``eager_calls``)."""
+    how many such new settings in a row were traced (``traced``), the rates
+    run eagerly last (``eager_rates``), on how many calls (``eager_calls``)
+    and for how long (``eager_seconds``), and the seconds its last trace
+    took (``trace_cost``; 0 before one)."""
 
-    __slots__ = ("traced", "eager_rates", "eager_calls")
+    __slots__ = ("traced", "eager_rates", "eager_calls", "eager_seconds", "trace_cost")
 
     def __init__(self) -> None:
         self.traced = 0
         self.eager_rates: tuple[Any, ...] | None = None
         self.eager_calls = 0
+        self.eager_seconds = 0.0
+        self.trace_cost = 0.0
 
     def trace_new_setting(self, rates_alone: tuple[Any, ...] | None) -> bool:
         """Whether to trace a new setting of the modules, which changed the
         kept graphs' rates alone, to ``rates_alone`` (None: it changed more,
         or no graph was kept), and count it."""
         if rates_alone is None or self._settled(rates_alone):
-            self.traced, self.eager_rates, self.eager_calls = 0, None, 0
+            self.traced, self.eager_rates, self.eager_calls, self.eager_seconds = 0, None, 0, 0.0
             return True
         self.traced += 1
         return self.traced <= _RETRACES_FOR_RATES
@@ -809,11 +851,21 @@ class RatesSeen:
         if rates == self.eager_rates:
             self.eager_calls += 1
         else:
-            self.eager_rates, self.eager_calls = rates, 1
+            self.eager_rates, self.eager_calls, self.eager_seconds = rates, 1, 0.0
         return not self._settled(rates)
 
+    def ran_eagerly_for(self, seconds: float) -> None:
+        """Add one eager run's ``seconds`` to the rates run eagerly last."""
+        self.eager_seconds += seconds
+
     def _settled(self, rates: tuple[Any, ...]) -> bool:
-        return rates == self.eager_rates and self.eager_calls >= _EAGER_CALLS_TO_SETTLE
+        cost = self.trace_cost if _SETTLE_COST_SECONDS is None else _SETTLE_COST_SECONDS
+        return rates == self.eager_rates and self.eager_calls >= _EAGER_CALLS_TO_SETTLE and self.eager_seconds >= cost
+
+
+def _cost_of(artifact: Artifact) -> float:
+    """The seconds ``artifact`` took to trace and compile."""
+    return artifact.trace_seconds + artifact.compile_seconds
 
 
 def _kept_but_for_rates(cache: dict[Any, Artifact], where: tuple[Any, Any]) -> list[Artifact]:
@@ -830,11 +882,15 @@ def _kept_but_for_rates(cache: dict[Any, Artifact], where: tuple[Any, Any]) -> l
     ]
 
 
-def _rates_seen(base: Any, where: tuple[Any, Any]) -> RatesSeen:
+def _rates_seen(base: Any, where: tuple[Any, Any], rated: list[Artifact]) -> RatesSeen:
     """What ``where`` (transforms, device) of ``base`` saw of rates changed
-    alone (NOTE [a rate annealed every step])."""
+    alone; before its first trace, the cost of the latest of the graphs
+    ``rated`` kept for other rates (NOTE [a rate annealed every step])."""
     seen: dict[Any, RatesSeen] = base.__dict__.setdefault("rates_seen", {})
-    return seen.setdefault(where, RatesSeen())
+    found = seen.setdefault(where, RatesSeen())
+    if not found.trace_cost and rated:
+        found.trace_cost = _cost_of(rated[-1])
+    return found
 
 
 def _eager_for_rates(base: Any, rated: list[Artifact], seen: RatesSeen) -> Artifact:

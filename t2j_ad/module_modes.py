@@ -42,8 +42,8 @@ whether each dropout draws, which changes only at 0 (and 1), while a
 graph, which holds the rate as a constant, is traced per rate (NOTE [how
 many graphs a function keeps] in graph_mode.py bounds how many are kept),
 for a few rates in a row: after those, new rates run eagerly until one
-stays for a few calls, which is traced (NOTE [a rate annealed every
-step] in graph_mode.py; ``hold_but_rates``).
+stays for as long as its trace would take, which is traced (NOTE [a rate
+annealed every step] in graph_mode.py; ``hold_but_rates``).
 
 NOTE [a forward replaced after a trace]
 A graph holds the ops of the ``forward`` each module ran when it was

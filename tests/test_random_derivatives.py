@@ -22,6 +22,7 @@ import torch.func
 from conftest import ON_GPU, TORCH_DEVICE, assert_tree_allclose, count_trial_runs, to_numpy, to_torch
 
 import t2j_ad
+from t2j_ad import graph_mode
 from t2j_ad.rules.fallbacks import FallbackWarning
 
 
@@ -423,6 +424,9 @@ def test_a_dropout_rate_that_stops_changing_gets_its_graph(monkeypatch, traces, 
     again after a few new rates, without a trace per step (NOTE [a rate
     annealed every step] in graph_mode.py). Every step is held against
     PyTorch's own from the same seed (the same masks)."""
+    # Settled by the count of calls alone: no wait for eager time to reach
+    # a trace's (graph_mode._SETTLE_COST_SECONDS; the tests below).
+    monkeypatch.setattr(graph_mode, "_SETTLE_COST_SECONDS", 0.0)
     model, rated, loss, x = _rated_model(kind)
     jf = t2j_ad.jaxify(loss, compile="graph")
     value_and_grad = jax.value_and_grad(jf)
@@ -457,6 +461,132 @@ def test_a_dropout_rate_that_stops_changing_gets_its_graph(monkeypatch, traces, 
     assert traces_per_step[-4:] == [0] * 4, f"traces per step of the resumed annealing: {traces_per_step}"
     assert all(runs[-4:]), f"an annealed rate replayed a graph: {runs}"
     assert resumed["eager_fallbacks"] == 0, resumed
+
+
+def _annealed(kind: str, use_jit: bool, monkeypatch, delay: list[float] | None = None) -> tuple[Any, ...]:
+    """``_rated_model(kind)``'s rated module, loss and input, and its loss's
+    ``value_and_grad`` in graph mode (under ``jax.jit`` if ``use_jit``)
+    counting Python runs of the rated module's forward
+    (``_counting_python_runs``), with ``delay`` (``_slow_eager_runs``), after
+    8 steps of an annealed rate, which run eagerly by then (NOTE [a rate
+    annealed every step] in graph_mode.py); each step held against
+    PyTorch's own from seed 0."""
+    model, rated, loss, x = _rated_model(kind)
+    if delay is not None:  # before the first call: a forward replaced after it traces again
+        _slow_eager_runs(monkeypatch, rated, delay)
+    jf = t2j_ad.jaxify(loss, compile="graph")
+    value_and_grad = jax.value_and_grad(jf)
+    value_and_grad = jax.jit(value_and_grad) if use_jit else value_and_grad
+    value_and_grad, runs = _counting_python_runs(monkeypatch, rated, value_and_grad)
+    value_and_grad(x)
+    for step in range(8):
+        _set_rate(rated, 0.5 * 0.9 ** (step + 1))
+        _assert_as_pytorch_from_seed_0(value_and_grad, loss, x)
+    annealed = jf.compile_stats()
+    assert annealed["eager_for_rates"] >= 1 and annealed["eager_fallbacks"] == 0, annealed
+    return rated, loss, x, jf, value_and_grad, runs
+
+
+def _slow_eager_runs(monkeypatch, rated: torch.nn.Module, delay: list[float]) -> None:
+    """Make each run of ``rated``'s class ``forward`` on real tensors take
+    ``delay[0]`` seconds more, as it is at the run; a trace's, on fake
+    tensors, none."""
+    import time
+
+    from torch._subclasses.fake_tensor import is_fake
+
+    forward = type(rated).forward
+
+    def slow_forward(self, x, *args, **kwargs):
+        if delay[0] and not is_fake(x):
+            time.sleep(delay[0])
+        return forward(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(type(rated), "forward", slow_forward)
+
+
+@pytest.mark.parametrize("kind", ["dropout", "lstm"])
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_a_dropout_rate_on_a_plateau_shorter_than_a_trace_runs_eagerly(monkeypatch, traces, kind, use_jit):
+    """A step decay with short plateaus (``p = 0.5 * 0.8 ** (step // 25)``)
+    traced each plateau's rate on its third call, some 90 ms a trace where
+    a step took 1 ms, 6x eager's time over such plateaus. A rate that stays
+    is traced only once its eager runs took as long as a trace (NOTE [a
+    rate annealed every step] in graph_mode.py): with that cost forced high,
+    plateaus of 10 steps run eagerly throughout, each step held against
+    PyTorch's own from the same seed (the same masks)."""
+    monkeypatch.setattr(graph_mode, "_SETTLE_COST_SECONDS", 1e9)
+    rated, loss, x, jf, value_and_grad, runs = _annealed(kind, use_jit, monkeypatch)
+    annealed = jf.compile_stats()
+    traces.clear()
+    runs.clear()
+    for rate in (0.3, 0.2):
+        for _ in range(10):
+            _set_rate(rated, rate)
+            _assert_as_pytorch_from_seed_0(value_and_grad, loss, x)
+    assert traces == [], f"a plateau shorter than a trace's cost was traced: {traces}"
+    assert all(runs), f"a rate on a short plateau replayed a graph: {runs}"
+    stats = jf.compile_stats()
+    assert stats["graphs"] == annealed["graphs"] and stats["eager_fallbacks"] == 0, (annealed, stats)
+
+
+@pytest.mark.parametrize("kind", ["dropout", "lstm"])
+def test_a_dropout_rate_on_a_long_plateau_is_traced_once_its_eager_runs_took_a_trace(monkeypatch, traces, kind):
+    """A rate that stays (an epoch's plateau, the end of a schedule) is
+    traced once its eager runs together took as long as a trace, here
+    forced to 0.2 s against eager runs made 0.02 s slower: not on its third
+    call, as a count alone traced, but by its eleventh; then replayed (NOTE
+    [a rate annealed every step] in graph_mode.py). Each step held against
+    PyTorch's own from the same seed (the same masks)."""
+    monkeypatch.setattr(graph_mode, "_SETTLE_COST_SECONDS", 0.2)
+    delay = [0.0]
+    rated, loss, x, jf, value_and_grad, runs = _annealed(kind, True, monkeypatch, delay)
+    annealed = jf.compile_stats()
+    delay[0] = 0.02
+    traces.clear()
+    runs.clear()
+    traces_per_step = []
+    for _ in range(14):
+        before = len(traces)
+        _set_rate(rated, 0.3)
+        _assert_as_pytorch_from_seed_0(value_and_grad, loss, x)
+        traces_per_step.append(len(traces) - before)
+    traced = [step for step, n in enumerate(traces_per_step) if n]
+    assert traced, "the rate on a long plateau was never traced"
+    # Two eager runs (0.04 s and more) are not the 0.2 s of a trace; ten are.
+    assert 3 <= traced[0] <= 10, f"traces per step of the plateau: {traces_per_step}"
+    assert runs[-3:] == [0, 0, 0], f"Python runs of the model per call on a long plateau: {runs}"
+    held = jf.compile_stats()
+    assert held["graphs"] > annealed["graphs"] and held["eager_fallbacks"] == 0, (annealed, held)
+
+
+def test_rates_that_stay_settle_once_their_eager_seconds_reach_the_last_trace():
+    """The settle rule alone (NOTE [a rate annealed every step] in
+    graph_mode.py): the same rates settle once they ran eagerly on three
+    calls and for as long, all runs together, as the last trace of their
+    transform stack and device took, or before any, the latest kept graph
+    of other rates; new rates start both counts again."""
+    import types
+
+    seen = graph_mode._rates_seen(types.SimpleNamespace(), ("transforms", "cpu"), [])
+    assert seen.trace_cost == 0.0
+    seen.trace_cost = 0.5
+    ran = []
+    for _ in range(4):
+        ran.append(seen.run_eagerly((0.3,)))
+        seen.ran_eagerly_for(0.2)
+    assert ran == [True, True, True, False]  # 0.6 s run before the fourth call
+    assert seen.trace_new_setting((0.3,))  # settled: traced, both counts started again
+    assert (seen.eager_calls, seen.eager_seconds) == (0, 0.0)
+    seen.run_eagerly((0.3,))
+    seen.ran_eagerly_for(0.4)
+    assert seen.run_eagerly((0.2,)) and seen.eager_seconds == 0.0  # new rates: counted again
+    seen.trace_cost = 0.0  # no trace's cost known: the count of calls alone
+    assert [seen.run_eagerly((0.1,)) for _ in range(3)] == [True, True, False]
+    kept = graph_mode.Artifact(None)
+    kept.trace_seconds, kept.compile_seconds = 0.25, 0.5
+    fresh = graph_mode._rates_seen(types.SimpleNamespace(), ("transforms", "cpu"), [graph_mode.Artifact(None), kept])
+    assert fresh.trace_cost == 0.75
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
