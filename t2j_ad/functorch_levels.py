@@ -226,6 +226,19 @@ def unbatched_value(t: torch.Tensor) -> torch.Tensor | None:
     return t
 
 
+def wrapped_layers(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``t``, then each tensor under its ``torch.func`` wrappers, outermost
+    first: each layer's autograd graph is that of its level, and a
+    dependence recorded at an outer level is seen only on the layer under
+    the inner levels' wrappers (NOTE [a backward that drops its cotangent]
+    in rules/fallbacks.py)."""
+    functorch = torch._C._functorch  # private
+    yield t
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+        yield t
+
+
 def innermost_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor under all of ``t``'s ``torch.func`` wrappers, ``torch.vmap``'s
     included (then one value per example, along a batch dimension). A

@@ -386,6 +386,177 @@ def test_forward_over_reverse_through_a_once_differentiable_backward_with_a_jvp_
     assert_tree_allclose(got, jax.hessian(lambda x: (x**3).sum())(X), rtol=1e-5)
 
 
+# ------------------------------------ a backward that drops its cotangent
+# NOTE [a backward that drops its cotangent] in t2j_ad/rules/fallbacks.py.
+# The double-vjp trick differentiates a Function's backward in its incoming
+# gradient; one computed outside autograd gave zeros, with a warning that
+# called the results exact (eleventh fuzzing pass, F1 and F3).
+
+
+class NumpyBackwardSin(torch.autograd.Function):
+    """Old style: sin, with its backward in NumPy."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.sin(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return torch.from_numpy(np.cos(to_numpy(x.detach())) * to_numpy(grad.detach())).to(x.device)
+
+
+class NoGradBackwardTanh(torch.autograd.Function):
+    """tanh with setup_context, its backward under ``@torch.no_grad()``."""
+
+    @staticmethod
+    def forward(x):
+        return torch.tanh(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    @torch.no_grad()
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+
+class DetachedGradientSin(torch.autograd.Function):
+    """sin with setup_context, its backward in torch ops on ``grad.detach()``."""
+
+    @staticmethod
+    def forward(x):
+        return torch.sin(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return torch.cos(x) * grad.detach()
+
+
+DROPPING_BACKWARDS = {
+    NumpyBackwardSin: jnp.sin,
+    NoGradBackwardTanh: jnp.tanh,
+    DetachedGradientSin: jnp.sin,
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
+@pytest.mark.parametrize("function", list(DROPPING_BACKWARDS), ids=lambda c: c.__name__)
+def test_forward_mode_through_a_backward_that_drops_its_gradient_is_refused_not_zero(function, transform, mode):
+    f = t2j_ad.jaxify(lambda x: function.apply(x) ** 2, compile=mode)
+    run = {
+        "jvp": lambda: jax.jvp(f, (X,), (V,)),
+        "jacfwd": lambda: jax.jacfwd(f)(X),
+        "hessian": lambda: jax.hessian(lambda x: f(x).sum())(X),
+    }[transform]
+    reference = DROPPING_BACKWARDS[function]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # the fallbacks, announced
+        # First order in reverse mode needs no derivative of the backward.
+        expected_gradient = jax.grad(lambda x: (reference(x) ** 2).sum())(X)
+        assert_tree_allclose(jax.grad(lambda x: f(x).sum())(X), expected_gradient, rtol=1e-5)
+        refusal = f"backward of {function.__name__} is not differentiable in its incoming gradient"
+        with pytest.raises(Exception, match=refusal):
+            jax.block_until_ready(run())
+
+
+def once_differentiable_for_positive_sums(x):
+    """x**3 through a @once_differentiable backward where x sums above 0,
+    through a differentiable one elsewhere."""
+    return OnceDifferentiableCube.apply(x) if x.sum() > 0 else OldCube.apply(x)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("transform", ["jvp", "hessian"])
+def test_a_once_differentiable_backward_reached_on_a_later_call_is_refused_not_zero(transform, mode):
+    # The refusal was decided on the first call of each transform: a later
+    # call down the other branch gave zeros.
+    f = t2j_ad.jaxify(once_differentiable_for_positive_sums, compile=mode)
+    run = {
+        "jvp": lambda x: jax.jvp(f, (x,), (V,))[1],
+        "hessian": lambda x: jax.hessian(lambda x: f(x).sum())(x),
+    }[transform]
+    expected = {
+        "jvp": lambda x: jax.jvp(lambda x: x**3, (x,), (V,))[1],
+        "hessian": jax.hessian(lambda x: (x**3).sum()),
+    }[transform]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        assert_tree_allclose(run(-jnp.abs(X)), expected(-jnp.abs(X)), rtol=1e-5)
+        with pytest.raises(Exception, match="backward of OnceDifferentiableCube is marked @once_differentiable"):
+            jax.block_until_ready(run(jnp.abs(X)))
+
+
+class SinWithUnusedInput(torch.autograd.Function):
+    """(sin(x), an integer count) with setup_context, no jvp: its backward
+    gives None for ``scale``, which the outputs do not depend on, and reads
+    no gradient of the integer output."""
+
+    @staticmethod
+    def forward(x, scale):
+        return torch.sin(x), (x > 0).sum()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, grad, grad_count):
+        (x,) = ctx.saved_tensors
+        return torch.cos(x) * grad, None
+
+
+def sin_with_zero_gradients(x, scale):
+    """The Function's sin, its count, and round of it: a derivative that is
+    zero, not one that a backward dropped."""
+    y, count = SinWithUnusedInput.apply(x, scale)
+    return y * 2, count, torch.round(SinWithUnusedInput.apply(x, scale)[0] * 3)
+
+
+def sin_with_zero_gradients_reference(x, scale):
+    y = jnp.sin(x)
+    return y * 2, (x > 0).sum(), jnp.round(y * 3)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_forward_mode_through_a_differentiable_backward_with_zero_gradients_is_right(mode, x64):
+    f = t2j_ad.jaxify(sin_with_zero_gradients, compile=mode)
+    x, scale = jnp.array([0.3, -1.2, 2.0]), jnp.array(1.5)
+    first = lambda g: lambda x, s: g(x, s)[0]  # noqa: E731
+    third = lambda g: lambda x, s: g(x, s)[2]  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # the double-vjp trick, announced
+        for out in (first, third):
+            for argnums in (0, 1, (0, 1)):
+                assert_tree_allclose(
+                    jax.jacfwd(out(f), argnums)(x, scale),
+                    jax.jacfwd(out(sin_with_zero_gradients_reference), argnums)(x, scale),
+                    rtol=1e-12,
+                )
+            np.testing.assert_allclose(
+                jax.hessian(lambda x: out(f)(x, scale).sum())(x),
+                jax.hessian(lambda x: out(sin_with_zero_gradients_reference)(x, scale).sum())(x),
+                rtol=1e-12,
+                atol=1e-14,
+            )
+        tangents = jax.jvp(f, (x, scale), (V[:3].astype(x.dtype), jnp.array(1.0)))[1]
+        expected = jax.jvp(sin_with_zero_gradients_reference, (x, scale), (V[:3].astype(x.dtype), jnp.array(1.0)))[1]
+        np.testing.assert_allclose(tangents[0], expected[0], rtol=1e-12)
+        np.testing.assert_allclose(tangents[2], expected[2], rtol=1e-12)
+        assert tangents[1].dtype == jax.dtypes.float0
+
+
 # ------------------------------------------------------- NumpySort/NumpyTake
 # From "Extending torch.func with autograd.Function", Example 1 with the vmap
 # staticmethods of "Defining the vmap staticmethod". (The guide's second

@@ -8,6 +8,9 @@ NOTE [fallbacks]
   mode then comes from the double-vjp trick: ``u -> J^T u`` is linear, so its
   vjp with cotangent ``t`` is ``(J^T)^T t = J t``. It needs only reverse mode
   and works inside ``torch.vmap`` when the Function has a vmap rule.
+  It differentiates the Function's backward in its incoming gradient, so a
+  backward not differentiable there is refused, on every call (NOTE [a
+  backward that drops its cotangent]).
 - an old-style ``autograd.Function`` (``forward(ctx, ...)``, no
   ``setup_context``) refuses every transform. Reverse mode then uses
   ``torch.autograd.grad(..., create_graph=True)``, so it can be differentiated
@@ -327,10 +330,12 @@ def double_vjp_jvp(
     else:
         outs = _outputs_refusing_once_differentiable(fn, primals, base, key)
     seeds = tuple(torch.zeros_like(o) for o in outs)
+    dropped: list[type] = []  # Functions whose backward dropped its cotangent, this call
 
     def pullback(*u: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        grads = reverse_mode(fn, primals, u, base=base, key=key)
+        grads = reverse_mode(_watching_backwards(fn, dropped), primals, u, base=base, key=key)
         _refuse_once_differentiable(base, key, grads)
+        _refuse_dropped_cotangent(base, dropped)
         return grads
 
     return reverse_mode(pullback, seeds, tangents, base=base, key=("outer",) + tuple(key))
@@ -352,6 +357,122 @@ def _graph_nodes(tensors: Iterable[Any]) -> Iterator[Any]:
         seen.add(node)
         yield node
         nodes.extend(child for child, _ in node.next_functions)
+
+
+# NOTE [a backward that drops its cotangent]
+# The double-vjp trick (NOTE [fallbacks]) differentiates the reverse pass
+# ``u -> J^T u`` with respect to its cotangent ``u``; an autograd.Function's
+# backward that leaves autograd on its way from ``g`` to its result (NumPy,
+# ``g.detach()``, ``@torch.no_grad()``, ``@once_differentiable``) cuts that
+# path, autograd finds ``u`` unused, and forward mode came out zero (or a
+# Hessian lost a part) with no error: PyTorch's own
+# ``torch.autograd.functional.jvp`` gives the same zeros; ``torch.func``
+# refuses such a Function. Whether it happens depends on the branch a call
+# takes, so it is looked at on every call of the trick, not once: a hook on
+# each custom Function node of the call's forward graph sees, when the
+# reverse pass runs that node's backward, its incoming cotangents and its
+# results. A backward dropped its cotangent when some cotangent is
+# connected to ``u`` (requires grad) and some result is a float tensor, yet
+# no result reaches any such cotangent in the autograd graph, walked at
+# every torch.func level (under ``torch.func.vjp`` the dependence on ``u`` is
+# recorded at the outer level, under the inner level's wrappers). A gradient
+# that is legitimately nothing is not refused: a result of None (no
+# gradient for that input), an incoming cotangent already cut upstream by
+# an op whose derivative is zero (``round``: its backward gives zeros that
+# require no grad, so the Function's cotangent does not require grad), an
+# integer output (its cotangent cannot require grad), or a backward that
+# reads only some of its outputs' cotangents. A backward that returns a
+# fresh constant (``torch.zeros_like(g)``) for a result that is truly zero
+# is refused too; return None for it instead. The walk costs one pass over
+# the call's forward graph and, per custom node, a search of its backward's
+# graph that stops at the first cotangent it reaches.
+
+
+def _watching_backwards(
+    fn: Callable[..., tuple[torch.Tensor, ...]], dropped: list[type]
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """``fn``, with a hook on every autograd.Function node behind its
+    outputs that appends to ``dropped`` the Function whose backward
+    dropped its cotangent (NOTE [a backward that drops its cotangent])."""
+
+    def watching(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        dropped.clear()  # a retry (torch.autograd.grad after torch.func refused) starts afresh
+        outs = fn(*xs)
+        for node in _graph_nodes(outs if isinstance(outs, (tuple, list)) else (outs,)):
+            function = functorch_levels.user_function(getattr(node, "_forward_cls", None))
+            if function is not None:
+                node.register_hook(_dropped_cotangent_hook(function, dropped))
+        return outs
+
+    return watching
+
+
+def _dropped_cotangent_hook(function: type, dropped: list[type]) -> Callable[..., None]:
+    def hook(results: Sequence[torch.Tensor | None], cotangents: Sequence[torch.Tensor | None]) -> None:
+        if _backward_dropped_cotangent(results, cotangents):
+            dropped.append(function)
+
+    return hook
+
+
+def _backward_dropped_cotangent(
+    results: Sequence[torch.Tensor | None], cotangents: Sequence[torch.Tensor | None]
+) -> bool:
+    """Whether a backward given ``cotangents`` returned ``results`` none of
+    which depends on a cotangent that requires grad (NOTE [a backward that
+    drops its cotangent])."""
+    connected = [g for g in cotangents if isinstance(g, torch.Tensor) and g.requires_grad]
+    floats = [r for r in results if isinstance(r, torch.Tensor) and (r.is_floating_point() or r.is_complex())]
+    if not connected or not floats:
+        return False
+    return not _reaches(floats, connected)
+
+
+def _reaches(tensors: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> bool:
+    """Whether the autograd graph behind ``tensors`` holds one of ``targets``
+    (by the node that made it, or, for a leaf, its AccumulateGrad node), at
+    any ``torch.func`` level: each wrapper layer's graph is walked (NOTE [a
+    backward that drops its cotangent]). Breadth first, since a backward's
+    result is near its cotangent."""
+    layers = [layer for t in targets for layer in functorch_levels.wrapped_layers(t)]
+    target_nodes = {layer.grad_fn for layer in layers if layer.grad_fn is not None}
+    target_leaves = {id(layer) for layer in layers if layer.grad_fn is None}
+    starts = [layer for t in tensors for layer in functorch_levels.wrapped_layers(t)]
+    if any(id(layer) in target_leaves for layer in starts):
+        return True
+    seen: set[Any] = set()
+    frontier = [layer.grad_fn for layer in starts if layer.grad_fn is not None]
+    while frontier:
+        following = []
+        for node in frontier:
+            if node is None or node in seen:
+                continue
+            if node in target_nodes or id(getattr(node, "variable", None)) in target_leaves:
+                return True
+            seen.add(node)
+            following.extend(child for child, _ in node.next_functions)
+        frontier = following
+    return False
+
+
+def _refuse_dropped_cotangent(base: Any, dropped: Sequence[type]) -> None:
+    """Raise if this call's reverse pass ran a backward that dropped its
+    cotangent: forward mode by the double-vjp trick would be zero there."""
+    if not dropped:
+        return
+    function = dropped[0]
+    if getattr(getattr(function, "backward", None), "__code__", None) is _ONCE_DIFFERENTIABLE_CODE:
+        raise _once_differentiable_error(base, function.__name__)
+    raise RuntimeError(
+        f"t2j_ad: forward mode of {base.name!r} needs the derivative of its reverse pass (a Hessian's "
+        f"inner gradient, or the double-vjp trick where torch.func.jvp refuses), but the backward of "
+        f"{function.__name__} is not differentiable in its incoming gradient: its result does not depend "
+        f"on it in PyTorch's autograd graph (computed in NumPy, from grad.detach(), or under "
+        f"torch.no_grad()), so forward mode would come out zero. Give {function.__name__} a jvp "
+        f"staticmethod (with setup_context), compute its backward with differentiable torch ops on the "
+        f"incoming gradient, or use reverse mode (jax.jacrev, jax.grad) instead of jax.jvp / jax.jacfwd. "
+        f"(A backward whose result for an input is truly zero should return None for it.)"
+    )
 
 
 def _once_differentiable_error(base: Any, function: str) -> RuntimeError:
@@ -396,7 +517,9 @@ def _refuse_once_differentiable(base: Any, key: Any, grads: Sequence[torch.Tenso
     marked ``@once_differentiable`` (an old-style Function's, which leaves an
     error node in the reverse pass's graph): the double-vjp trick
     differentiates it again, and autograd, finding the cotangents unused,
-    gave zeros. Looked at once per transform."""
+    gave zeros. Looked at once per transform; a later call that reaches such
+    a backward down another branch is refused by ``_refuse_dropped_cotangent``
+    (NOTE [a backward that drops its cotangent])."""
     decided = decisions(base)
     if decided.get(("once differentiable", key)):
         return
