@@ -115,7 +115,7 @@ from .api import JaxifiedFunction, check_batch_argnums
 from .convert import call_device, copy_to_jax, jax_dtype, torch_device, torch_dtype
 from .module_modes import refuse_uninitialized
 from .module_structure import ModuleChangedError
-from .held_bindings import release_after_the_call
+from .held_bindings import binding_in, place_for_release, release_after_the_call
 from .module_locks import acquire, in_lock_order, release
 from .real_writes import forwards_end_here
 
@@ -179,6 +179,7 @@ class _TensorSlots:
         self.params: list[tuple[dict[str, Any], str, str]] = []
         self.buffers: list[tuple[dict[str, Any], str, str]] = []
         self.modules = [sub for _, sub in module.named_modules()]  # each once
+        self.module_ids = frozenset(map(id, self.modules))  # NOTE [a graph inside a module call's bindings]
         for sub in self.modules:
             for name, held in sub._parameters.items():
                 if held is not None:
@@ -511,8 +512,10 @@ def jaxify_module(
             held.enter_context(_fast_path_off)
             if slots_now.unbound:
                 raise _unbound_params_error(module, slots_now.unbound)
+            place = place_for_release()  # NOTE [a nested call's bindings are its own]
             try:
                 held.enter_context(_binding(slots_now))
+                held.enter_context(binding_in(slots.module_ids))  # NOTE [a graph inside a module call's bindings]
                 held.callback(_weight_lists_renewed, slots_now.recurrent)  # once the module's own are back
                 held.enter_context(_bound(slots.params, params))
                 held.enter_context(_bound(slots.buffers, copies))
@@ -524,7 +527,7 @@ def jaxify_module(
             # NOTE [bindings held through the reverse pass]: a derivative call
             # releases them when it ends; anything else, now.
             release = held.pop_all().close
-            if not release_after_the_call(release):
+            if not release_after_the_call(release, place):
                 release()
             return out
 

@@ -22,6 +22,7 @@ from . import graph_mode
 from .convert import UnsupportedDtypeError, canonical_jax_dtype, jax_dtype, on_another_device, torch_dtype
 from .cuda_streams import external_stream, run_on_stream
 from .functorch_levels import forward_ad_levels_kept, functorch_levels_open, outside_functorch_levels
+from .held_bindings import apart_from_the_call, bound_among, bound_now
 from .kept_inputs import CAN_MOVE, any_kept, kept_by_address, release_kept_inputs, unmovable_kept_input
 from .kept_inputs import references as kept_inputs_references
 from .malloc_tuning import tune_malloc
@@ -403,6 +404,9 @@ class _Runner:
         if stream:
             self._on_stream(inputs, outputs, stream)
             return
+        if bound_now and self.call is not self.impl and self._runs_a_bound_module():
+            self._eagerly_inside_bindings(inputs, outputs, stream)  # NOTE [a graph inside a module call's bindings]
+            return
         if self.assumed is not None and not self.assumed.holds():
             self._forget_graph()
         if self.forward_ad and not getattr(_forward_ad_held, "held", False):
@@ -555,6 +559,37 @@ class _Runner:
         dicts, modules = _referenced(self.base)
         with call_undone(outputs, dicts, modules, self._draws) as own:
             self(inputs, own, stream)
+
+    def _runs_a_bound_module(self) -> bool:
+        """Whether a module this compiled function runs holds a
+        ``jaxify_module`` call's tensors now (NOTE [a graph inside a module
+        call's bindings] in held_bindings.py)."""
+        return self.compile != "eager" and bound_among(_referenced(self.base)[1])
+
+    def _eagerly_inside_bindings(
+        self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int
+    ) -> None:
+        """The call run eagerly, on the tensors the modules hold now, its
+        graph neither traced nor used (NOTE [a graph inside a module call's
+        bindings] in held_bindings.py)."""
+        eager = self.__dict__.get("_eager")
+        if eager is None:
+            eager = copy.copy(self)
+            eager.call, eager.compile, eager.call_into, eager.into_artifact = self.impl, "eager", None, None
+            eager.assumed = eager.cuda_graph = eager.per_device = eager._unused = None
+            eager.grad_enabled, eager.forward_ad = self._untraced
+            self._eager = eager
+        root = getattr(self.base, "effects_root", None) or self.base
+        warn_once(
+            root,
+            ("inside bindings", self.compile),
+            f"t2j_ad: compile={self.compile!r}: {root.name!r} runs eagerly in its calls made while a "
+            f"jaxify_module call of a module it runs has that call's tensors bound in it (a call inside that "
+            f"module's forward): a graph would hold the module's tensors as the trace found them, not the "
+            f"call's. Results are exact; only speed differs. Pass what it reads of the module as inputs, or "
+            f"call it outside the module's forward, to keep a graph.",
+        )
+        _Runner.__call__(eager, inputs, outputs, stream)
 
     def _draws(self) -> tuple[bool, int]:
         """Whether this runner's function draws from PyTorch's generator, and
@@ -767,7 +802,8 @@ class _Runner:
         nested call again; what it draws and writes is the outer function's,
         which that derivative replays (NOTE [a nested call's effects are its
         caller's] in real_writes.py)."""
-        with outside_functorch_levels(self._differentiated_inside):
+        # NOTE [a nested call's bindings are its own] in held_bindings.py
+        with outside_functorch_levels(self._differentiated_inside), apart_from_the_call():
             self(inputs, outputs, stream)
 
     def _differentiated_inside(self) -> TorchCallError:

@@ -525,8 +525,14 @@ def test_a_module_calling_a_jaxified_closure_over_its_own_submodule_runs_eagerly
         warnings.simplefilter("always")
         for _ in range(2):
             assert_tree_allclose(apply(params, x), expected)
-    messages = _compile_warnings(record)  # the nested function's own trace is not refused: it ran on no stand-ins
-    assert len(messages) == 1 and "Outer" in messages[0] and "calls a jaxified function" in messages[0], messages
+    messages = _compile_warnings(record)
+    outer_refused = [m for m in messages if "Inside.forward" in m and "calls a jaxified function" in m]
+    # A graph-mode nested closure runs eagerly inside the outer's calls, which
+    # bind their parameters into the submodule it runs (NOTE [a graph inside
+    # a module call's bindings] in held_bindings.py).
+    inner_eager = [m for m in messages if "runs eagerly in its calls made while a jaxify_module call" in m]
+    assert len(outer_refused) == 1 and len(inner_eager) == (inner_mode == "graph"), messages
+    assert len(messages) == len(outer_refused) + len(inner_eager), messages
 
 
 def test_a_function_that_converts_a_jax_array_runs_eagerly():

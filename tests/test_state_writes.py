@@ -637,3 +637,143 @@ def test_a_nested_call_failing_in_its_callers_trial_run_leaves_the_callers_array
             got = jax.block_until_ready(apply(params, _X[:4]))
             assert_tree_allclose(got, to_numpy(to_torch(_X[:4]) * expected_part), rtol=1e-6, atol=1e-6)
             assert_tree_allclose(part_params, {"scale": np.full(3, 2.0, np.float32)})
+
+
+class _RunsItsPartThenReadsIt(torch.nn.Module):
+    """Runs its submodule through JAX (another ``jaxify_module`` of it,
+    given its own ``params``), then reads the submodule's weight, the one
+    the outer call bound."""
+
+    def __init__(self, part: torch.nn.Module, run_part) -> None:  # noqa: ANN001 - a JAX function of no arguments
+        super().__init__()
+        self.part = part
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, 3))
+        object.__setattr__(self, "run_part", run_part)  # a plain function, not module state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        through_jax = t2j_ad.tree_j2t(self.run_part()).clone() if self.run_part is not None else None
+        if through_jax is None:  # the plain PyTorch twin: the same part on the same input, a constant
+            through_jax = self.part(to_torch(_NESTED_INPUT)).detach()
+        return (x * self.scale * through_jax + x * self.part.weight).tanh().sum()
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("how", ["value_and_grad", "jit_value_and_grad"])
+@pytest.mark.parametrize("inner_first", [True, False], ids=["inner_called_first", "inner_first_called_inside"])
+def test_a_module_calling_a_jaxify_module_of_its_own_part_keeps_the_parts_parameters(inner_first, how, mode):
+    """An outer ``jaxify_module`` whose forward calls, through JAX, a
+    ``jaxify_module`` of its own training-mode BatchNorm, and then the
+    BatchNorm itself: under ``jax.value_and_grad`` the nested call's
+    bindings were left to the outer derivative's end and put back after the
+    outer's, so the BatchNorm kept a plain tensor, one of the outer call's
+    arrays, where its ``weight`` Parameter was; and the outer forward's own
+    read of the BatchNorm's weight after the nested call found the nested
+    call's tensor, not the one it bound. Values, gradients, statistics and the Parameter objects held
+    against the same composition in plain PyTorch (NOTE [a nested call's
+    bindings are its own] in held_bindings.py)."""
+    torch.manual_seed(0)
+    norm = torch.nn.BatchNorm1d(3).to(TORCH_DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.8, 1.2, 3))
+        norm.bias.copy_(torch.linspace(-0.1, 0.1, 3))
+    own = dict(norm.named_parameters())
+    apply_part, part_params = t2j_ad.jaxify_module(norm, compile=mode)
+    twin = _RunsItsPartThenReadsIt(copy.deepcopy(norm), None)
+    if inner_first:  # else its shapes are inferred inside the outer's trial runs
+        jax.block_until_ready(apply_part(part_params, _NESTED_INPUT))
+        twin.part(to_torch(_NESTED_INPUT))
+    outer = _RunsItsPartThenReadsIt(norm, lambda: apply_part(part_params, _NESTED_INPUT))
+    apply, params = t2j_ad.jaxify_module(outer, compile=mode)
+    step = jax.value_and_grad(apply)
+    step = jax.jit(step) if how == "jit_value_and_grad" else step
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # functions that call JAX run eagerly, announced
+        for _ in range(3):
+            got = jax.block_until_ready(step(params, _X[:4]))
+            twin.zero_grad()
+            value = twin(to_torch(_X[:4]))
+            value.backward()
+            grads = {name: torch.zeros_like(p) if p.grad is None else p.grad for name, p in twin.named_parameters()}
+            expected = (to_numpy(value.detach()), {name: to_numpy(g) for name, g in grads.items()})  # part.bias: unused
+            assert_tree_allclose(got, expected, rtol=1e-5, atol=1e-5)
+            assert_tree_allclose(_state(norm), _state(twin.part), rtol=1e-6, atol=1e-6)
+            assert dict(norm.named_parameters()) == own  # the same Parameter objects, nothing else
+            assert all(type(p) is torch.nn.Parameter for p in norm.parameters())
+            assert_tree_allclose(
+                {k: to_numpy(p.detach()) for k, p in norm.named_parameters()},
+                {k: to_numpy(p.detach()) for k, p in twin.part.named_parameters()},
+            )
+
+
+class _Switched(torch.nn.Module):
+    """Binds its activation by a flag on every call (NOTE [a submodule
+    switched by its own forward] in module_structure.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.noisy = True
+        self.smooth, self.rectified = torch.nn.Tanh(), torch.nn.ReLU()
+        self.act = self.rectified
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        self.act = self.smooth if self.noisy else self.rectified
+        return self.act(self.lin(t))
+
+
+class _ScalesByItsPart(torch.nn.Module):
+    """Scales its input by its submodule's output on a fixed input, got
+    through JAX (``run_part``) or, in its plain PyTorch twin, directly."""
+
+    def __init__(self, part: torch.nn.Module, run_part) -> None:  # noqa: ANN001 - a JAX function of no arguments, or None
+        super().__init__()
+        self.part = part
+        object.__setattr__(self, "run_part", run_part)  # a plain function, not module state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.run_part is None:
+            by = self.part(to_torch(_NESTED_INPUT)).detach()  # a JAX result is a constant to PyTorch
+        else:
+            by = t2j_ad.tree_j2t(self.run_part()).clone()
+        return (x * by).tanh().sum()
+
+
+@pytest.mark.parametrize("case", ["switched_part", "outer_given_output_shapes", "part_called_first"])
+@pytest.mark.parametrize("how", ["call", "jit", "value_and_grad_x"])
+def test_a_graph_of_a_modules_part_called_inside_the_modules_call_runs_on_that_calls_tensors(how, case):
+    """A graph-mode ``jaxify`` of a module's submodule, first called inside
+    the module's ``jaxify_module`` forward: traced while the outer call had
+    its tensors bound in the submodule, the graph kept them: the zeros of
+    the outer's run that infers shapes (every call gave 0, silently, for a
+    submodule switched by its own forward, whose trace came in that run), or
+    else the parameters of the first call it was traced in, for every later
+    call (a plain part, under an outer given ``output_shapes=``, which runs
+    no trial run first); and a graph traced outside, called first on its
+    own, ran on the module's own parameters inside the module's calls, not
+    on the call's. Each step passes other parameters; held against the module run
+    on them by ``torch.func.functional_call`` (NOTE [a graph inside a module
+    call's bindings] in held_bindings.py)."""
+    torch.manual_seed(0)
+    part = (_Switched() if case == "switched_part" else torch.nn.Linear(3, 3)).to(TORCH_DEVICE)
+    run_part = t2j_ad.jaxify(lambda t: part(t), compile="graph")
+    if case == "part_called_first":
+        jax.block_until_ready(run_part(_NESTED_INPUT))
+    twin = _ScalesByItsPart(copy.deepcopy(part), None)
+    shapes = jax.ShapeDtypeStruct((), jnp.float32) if case == "outer_given_output_shapes" else None
+    outer = _ScalesByItsPart(part, lambda: run_part(_NESTED_INPUT))
+    apply, params = t2j_ad.jaxify_module(outer, compile="graph", output_shapes=shapes)
+    step = {"call": apply, "jit": jax.jit(apply), "value_and_grad_x": jax.value_and_grad(apply, argnums=1)}[how]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # functions that call JAX run eagerly, announced
+        for k in range(3):
+            stepped = {name: p * (1.0 + 0.5 * k) for name, p in params.items()}
+            got = jax.block_until_ready(step(stepped, _X[:4]))
+            x = to_torch(_X[:4]).requires_grad_()
+            value = torch.func.functional_call(twin, {n: to_torch(p) for n, p in stepped.items()}, (x,))
+            value.backward()
+            expected = to_numpy(value.detach())
+            if how == "value_and_grad_x":
+                expected = (expected, to_numpy(x.grad))
+            assert_tree_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    # Outside the module's calls the graph runs, on the module's own parameters.
+    assert_tree_allclose(run_part(_NESTED_INPUT), to_numpy(part(to_torch(_NESTED_INPUT)).detach()), rtol=1e-6, atol=1e-6)
