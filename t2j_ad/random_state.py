@@ -34,12 +34,15 @@ draws made from it, in order.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # private, as in real_writes.py
+
+from .references import reachable
 
 
 def _given_generator(func: Any, kwargs: dict[str, Any] | None) -> torch.Generator | None:
@@ -91,20 +94,24 @@ class RandomOpsSeen(_GeneratorsPutBack):
     (``seen``), and counts the draws from generators passed as
     ``generator=`` (``given``), which it puts back when the block ends:
     shape inference learns so whether a function draws (NOTE [derivatives
-    replay the value's draws] in replayed_calls.py)."""
+    replay the value's draws] in replayed_calls.py). ``plain`` counts the
+    draws from PyTorch's default generators (no ``generator=``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen = False
         self.given = 0
+        self.plain = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if draws(func, args, kwargs or {}):
-            self.seen = True
+        drawing = draws(func, args, kwargs or {})
+        self.seen = self.seen or drawing
         generator = _given_generator(func, kwargs)
         if generator is not None:
             self.given += 1
             self._note(generator)
+        elif drawing:
+            self.plain += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -197,3 +204,115 @@ class SeedWatch:
         """Whether a generator's state was set (seeded, restored) since."""
         return any(g.initial_seed() != self.sentinel for g in self._generators)
 
+
+
+# NOTE [draws the trial runs did not see]
+# A function's effects are what its shape inference saw it do, on zeros and
+# on ones (NOTE [derivatives replay the value's draws] in replayed_calls.py).
+# One that draws only for other values (``dropout(x) if x.max() > 2 else
+# x``) was taken for one that draws nothing: ``jax.value_and_grad`` kept no
+# token, and its derivative call ran the forward again and drew a second,
+# fresh mask, so the gradient was that of no mask at all (off by 29-48 on a
+# 16-entry input) and PyTorch's generator went two draws on, without a word
+# (F4 of a fuzzing pass); the same with a generator of the
+# function's own, where the refusal "drew N times ... where M were seen"
+# needs M > 0 to be raised. An unseen write into a tensor it keeps was
+# refused all along (torch.func refuses it; "did not see that write").
+#
+# So a derivative call (or a replay) of a function whose effects say it
+# does not draw from a generator watches that generator: PyTorch's default
+# ones where it draws from none, and the generators its code names
+# (``referenced_generators``) where it draws from none passed as
+# ``generator=``. Their states before and after the call are compared
+# (``DrawWatch``; never on a plain call, whose draws are PyTorch's own:
+# 4-5 us alone, 13-17 us more on a jitted ``jax.grad`` of ``sin(x) * 2`` on
+# an (8,) input, 160 us before, on a shared 2-core CPU: ``get_state``
+# copies the CPU generator's 5 KB). A generator is process-wide, so a
+# change may be another thread's draw (a data loader's shuffle while XLA
+# runs the step): the call is then run again, on copies of its inputs, with
+# the generators put back, under a mode that sees this thread's random ops
+# (``RandomOpsSeen``), and refused only where that run draws from them too.
+# The derivative has drawn already and cannot be undone into a right one:
+# the value call kept no token. So it is refused, naming the function and
+# the fix: make the draw happen whatever the input's values
+# (``torch.where(cond, dropout(x), x)``), so that the trial runs see it and
+# the derivatives replay the value's draws. A generator the function makes
+# or reaches in another way, and a function given ``output_shapes=`` (no
+# effects known; its derivatives draw again, as documented), stay unwatched.
+
+
+def referenced_generators(fn: Callable[..., Any]) -> tuple[torch.Generator, ...]:
+    """The ``torch.Generator`` objects ``fn``'s code names (in its closure,
+    globals, default arguments, a module's attributes: ``references.reachable``),
+    which a derivative call watches (NOTE [draws the trial runs did not see])."""
+    return tuple(reachable(fn, lambda obj: isinstance(obj, torch.Generator)))
+
+
+class DrawWatch:
+    """The generators a call must not draw from (NOTE [draws the trial runs
+    did not see]): their states before a call (``before``), and whether a
+    call drew from them (``drew``, cheap; ``drew_here``, sure)."""
+
+    def __init__(self, plain: bool, own: Sequence[torch.Generator]) -> None:
+        self.plain = plain  # PyTorch's default generators
+        self.own = tuple(own)  # those passed as generator=
+        # Without CUDA the generators never change: found once, not per call.
+        self._fixed = None if plain and torch.cuda.is_available() else self._generators()
+
+    def _generators(self) -> list[torch.Generator]:
+        return [*generators_in_use(), *self.own] if self.plain else list(self.own)
+
+    def before(self) -> list[tuple[torch.Generator, bytes]]:
+        """Each watched generator with its state now."""
+        generators = self._fixed if self._fixed is not None else self._generators()
+        return [(generator, _state_bytes(generator)) for generator in generators]
+
+    @staticmethod
+    def drew(before: Sequence[tuple[torch.Generator, bytes]]) -> bool:
+        """Whether a watched generator moved since ``before``: by this call,
+        or by another thread (``drew_here`` tells which)."""
+        return any(_state_bytes(generator) != state for generator, state in before)
+
+    def drew_here(self, run: Callable[[], Any]) -> str | None:
+        """What ``run`` draws from on this thread, of the watched kinds of
+        generator (as ``unseen_draws_refusal`` names it), or None; every
+        generator is put back as it was."""
+        with random_state_kept(), RandomOpsSeen() as seen:
+            run()
+        if self.plain and seen.plain:
+            return "PyTorch's random generator"
+        return "a generator passed as generator=" if self.own and seen.given else None
+
+
+def _state_bytes(generator: torch.Generator) -> bytes:
+    """``generator``'s state, as bytes: read from its CPU tensor's memory,
+    several microseconds less than through ``.numpy()`` within a call."""
+    state = generator.get_state()
+    return ctypes.string_at(state.data_ptr(), state.numel())
+
+
+def unseen_draws_refusal(name: str, source: str) -> RuntimeError:
+    """The error of a derivative call of ``name`` that drew from ``source``
+    where its trial runs drew nothing from it (NOTE [draws the trial runs
+    did not see])."""
+    return RuntimeError(
+        f"{name} drew random numbers from {source} in a derivative call (jax.grad, jax.value_and_grad, "
+        f"jax.jvp), but the runs that inferred its output shapes, on zeros and on ones, drew none from it: "
+        f"its draws depend on the input's values. The derivative runs the function again and drew new "
+        f"numbers, so it would differentiate another draw than the value's (a gradient through another "
+        f"dropout mask). {_UNSEEN_DRAW_FIX.get(source, _UNSEEN_DRAW_FIX[None])}, so that its derivatives replay "
+        f"the value's draws."
+    )
+
+
+# What ``unseen_draws_refusal`` advises, by what the function drew from.
+_UNSEEN_DRAW_FIX = {
+    None: (
+        "Make the draw happen whatever the input's values (torch.where(cond, dropout(x), x) rather than "
+        "dropout(x) if cond else x)"
+    ),
+    "a generator passed as generator=": (
+        "Draw from it a fixed number of times whatever the input's values (mask what you do not need: "
+        "torch.where(cond, x * mask, x))"
+    ),
+}

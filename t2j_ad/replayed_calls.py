@@ -175,7 +175,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .dropout_layouts import row_major_dropout
 from .functorch_levels import outside_transforms, unbatched_value
 from .module_modes import NO_MODES, ModuleModes, modes_hold
-from .random_state import GeneratorStatesKept, GeneratorStatesReplayed, unreplayable_given_draws
+from .random_state import DrawWatch, GeneratorStatesKept, GeneratorStatesReplayed, unreplayable_given_draws
 from .state_writes import (
     NO_WRITES,
     ReplayedBindings,
@@ -519,6 +519,23 @@ def is_value_call(base: BaseFn) -> bool:
     the draws and writes its derivatives replay (NOTE [a value call runs
     once])."""
     return getattr(base, "effects_root", None) is not None and not getattr(base, "replays", False)
+
+
+def unseen_draws_watch(fun: TorchFn) -> DrawWatch | None:
+    """The generators a call of ``fun`` must not draw from, where it is a
+    derivative (or a replay's) of a function whose trial runs saw it draw
+    from none of them: PyTorch's default ones, those its code names (NOTE
+    [draws the trial runs did not see] in random_state.py); None for any
+    other call, and for a function given ``output_shapes=``."""
+    base = fun.base
+    if base.effects is None or all(isinstance(t, Vmap) for t in fun.transforms) or is_value_call(base):
+        return None
+    root = getattr(base, "effects_root", None)
+    seen = base.effects if root is not None else effects_now(base)  # a variant's: what its token holds
+    own = getattr(root or base, "referenced_generators", ()) if not seen.given_draws else ()
+    if seen.draws_random and not own:
+        return None
+    return DrawWatch(not seen.draws_random, own)
 
 
 def variants(base: BaseFn) -> list[BaseFn]:

@@ -41,7 +41,9 @@ from .replayed_calls import (
     replays_with_fewer_effects,
     token_input,
     traced_for,
+    unseen_draws_watch,
 )
+from .random_state import DrawWatch, unseen_draws_refusal
 from .rules.fallbacks import warn_once
 from .torch_fn import Jvp, TorchFn, Vmap
 from .trace_refusals import own_generator_reason
@@ -949,7 +951,53 @@ class _RunnerWatchingNames(_Runner):
         _Runner.__call__(self, inputs, outputs, stream)
 
 
-class _RunnerWithEffects(_RunnerWatchingNames):
+class _RunnerWatchingDraws(_RunnerWatchingNames):
+    """The runner of a derivative call (or a replay) of a function whose
+    trial runs saw it draw from no generator or from none passed as
+    ``generator=``: a call that draws from those after all is refused
+    (NOTE [draws the trial runs did not see] in random_state.py)."""
+
+    def __init__(self, fun: TorchFn) -> None:
+        self.draws_watched: DrawWatch | None = unseen_draws_watch(fun)
+        super().__init__(fun)
+
+    def _run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
+        watch = self.draws_watched
+        if watch is None or not self._watches_here(stream):
+            self._run_once(inputs, outputs, stream)
+            return
+        before = watch.before()
+        self._run_once(inputs, outputs, stream)
+        source = watch.drew_here(lambda: self._run_again(inputs)) if watch.drew(before) else None
+        if source is not None:
+            raise TorchCallError(str(unseen_draws_refusal(self.base.name, source)))
+
+    def _watches_here(self, stream: int) -> bool:
+        """Whether the call runs here as it is, not again by ``_Runner.__call__``
+        in a context of its own (a trial run's, a stream's, outside autocast,
+        inference mode, functorch's levels, or under the forward-AD lock),
+        where it is watched instead."""
+        return not (
+            trial_running.depth
+            or stream
+            or _any_autocast()
+            or _in_inference_mode()
+            or _functorch_levels_open()
+            or (self.forward_ad and not getattr(_forward_ad_held, "held", False))
+        )
+
+    def _run_again(self, inputs: Sequence[torch.Tensor]) -> None:
+        """The function once more, eagerly, on copies of ``inputs``, its
+        results dropped: to see whether it draws on this thread."""
+        call_effects = self.base.call_effects  # a replay puts back the state it sets
+        with torch.enable_grad(), call_effects() if call_effects is not None else contextlib.nullcontext():
+            self.impl(*[t.clone() for t in inputs[: self.n_in]])
+
+    def _run_once(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
+        _Runner.__call__(self, inputs, outputs, stream)
+
+
+class _RunnerWithEffects(_RunnerWatchingDraws):
     """The runner of a call of a function that draws random numbers or
     updates state it keeps, or that ran modules whose training flags decide
     whether it does (NOTE [derivatives replay the value's draws] in
@@ -1015,7 +1063,7 @@ class _RunnerWithEffects(_RunnerWatchingNames):
             return "eager"
         return mode
 
-    def _run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
+    def _run_once(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
         # An order input (_Runner.n_in) trails the function's own: the
         # generator reads the token by its index, and _Runner drops it.
         # NOTE [fewer effects than a program was traced for] in replayed_calls.py
@@ -1138,10 +1186,13 @@ def _names_watched(fun: TorchFn) -> StructureSeen | None:
 
 def _runner_class(fun: TorchFn) -> type[_Runner]:
     """``_RunnerWithEffects`` where one of its duties applies, else
+    ``_RunnerWatchingDraws`` for a derivative that must not draw, else
     ``_RunnerWatchingNames`` where the function reads names it remembers,
     else the plain runner."""
     if fun.base.call_effects is not None or any(_effect_duties(fun)):  # every keeping and replaying call
         return _RunnerWithEffects
+    if unseen_draws_watch(fun) is not None:  # NOTE [draws the trial runs did not see] in random_state.py
+        return _RunnerWatchingDraws
     return _RunnerWatchingNames if _names_watched(fun) is not None else _Runner
 
 

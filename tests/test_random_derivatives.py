@@ -903,6 +903,81 @@ def test_draws_that_differ_on_zeros_and_on_ones_are_refused_when_traced():
         t2j_ad.jaxify(drawn)(_X)
 
 
+def _drawn_past_2(generator):
+    """A function that draws (from ``generator``, or PyTorch's own for None)
+    only where an entry exceeds 2: neither the run on zeros nor the one on
+    ones draws (NOTE [draws the trial runs did not see] in random_state.py)."""
+
+    def drawn(x):
+        if not bool(x.max() > 2):
+            return torch.sin(x)
+        if generator is None:
+            return torch.sin(_dropout(x))
+        return torch.sin(x * (torch.rand(x.shape, generator=generator, device=x.device) > 0.5))
+
+    return drawn
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("source", ["default", "own"])
+def test_a_draw_neither_zeros_nor_ones_make_is_refused_by_its_derivatives(source, mode):
+    # F4 of a fuzzing pass: the derivative call drew a second, fresh mask (a
+    # gradient off by 29-48 against torch.func from the same seed) and the
+    # generator went two draws on, without a word.
+    generator = torch.Generator(device=TORCH_DEVICE) if source == "own" else None
+    drawn = _drawn_past_2(generator)
+    f = t2j_ad.jaxify(drawn, compile=mode)
+    x = jnp.linspace(1.0, 6.0, 8)
+    named = "PyTorch's random generator" if source == "default" else "a generator passed as generator="
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # graph mode runs such a function eagerly, announced
+        refusal = f"drawn_past_2.<locals>.drawn drew random numbers from {named} in a derivative"
+        with pytest.raises(Exception, match=refusal):
+            jax.block_until_ready(jax.value_and_grad(lambda x: (f(x) ** 2).sum())(x))
+        # A value alone is PyTorch's, from the same seeds; an input that does
+        # not draw is differentiated as before.
+        _seed_0_and(generator)
+        value = jax.block_until_ready(f(x))
+        small_grad = jax.grad(lambda x: (f(x) ** 2).sum())(x / 4)
+        after = _next_draws(generator)
+    _seed_0_and(generator)
+    expected = drawn(to_torch(x))
+    expected_grad = torch.func.grad(lambda x: (drawn(x) ** 2).sum())(to_torch(x / 4))
+    assert_tree_allclose((value, small_grad), (to_numpy(expected), to_numpy(expected_grad)), rtol=1e-5, atol=1e-6)
+    assert torch.equal(after, _next_draws(generator))
+
+
+def _seed_0_and(generator):
+    torch.manual_seed(0)
+    if generator is not None:
+        generator.manual_seed(3)
+
+
+def _next_draws(generator):
+    """The next draws from PyTorch's generator and from ``generator``, if any."""
+    own = torch.rand(3, generator=generator, device=TORCH_DEVICE) if generator is not None else torch.zeros(3)
+    return torch.cat([torch.rand(3, device=TORCH_DEVICE).cpu(), own.cpu()])
+
+
+def test_a_draw_on_another_thread_during_a_derivative_call_is_not_refused():
+    # NOTE [draws the trial runs did not see]: PyTorch's generator is
+    # process-wide, so it moves under a derivative call when another thread
+    # draws meanwhile (a data loader's shuffle); the call is refused only
+    # where it draws itself.
+    def pure(x):
+        if bool(x.max() > 2):  # not in the trial runs
+            other = threading.Thread(target=lambda: torch.rand(5))
+            other.start()
+            other.join()
+        return torch.sin(x) * x
+
+    f = t2j_ad.jaxify(pure)
+    x = jnp.linspace(1.0, 6.0, 8)
+    value, grad = jax.value_and_grad(lambda x: f(x).sum())(x)
+    expected_grad, expected_value = torch.func.grad_and_value(lambda x: (torch.sin(x) * x).sum())(to_torch(x))
+    assert_tree_allclose((value, grad), (to_numpy(expected_value), to_numpy(expected_grad)), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_a_draw_made_only_for_some_values_is_replayed_by_the_derivatives(mode):
     # NOTE [a second run, on ones]: the run on zeros took the branch without
