@@ -427,17 +427,8 @@ def test_a_dropout_rate_that_stops_changing_gets_its_graph(monkeypatch, traces, 
     # Settled by the count of calls alone: no wait for eager time to reach
     # a trace's (graph_mode._SETTLE_COST_SECONDS; the tests below).
     monkeypatch.setattr(graph_mode, "_SETTLE_COST_SECONDS", 0.0)
-    model, rated, loss, x = _rated_model(kind)
-    jf = t2j_ad.jaxify(loss, compile="graph")
-    value_and_grad = jax.value_and_grad(jf)
-    value_and_grad = jax.jit(value_and_grad) if use_jit else value_and_grad
-    value_and_grad, runs = _counting_python_runs(monkeypatch, rated, value_and_grad)
-    value_and_grad(x)
-    for step in range(8):
-        _set_rate(rated, 0.5 * 0.9 ** (step + 1))
-        _assert_as_pytorch_from_seed_0(value_and_grad, loss, x)
+    rated, loss, x, jf, value_and_grad, runs = _annealed(kind, use_jit, monkeypatch)
     annealed = jf.compile_stats()
-    assert annealed["eager_for_rates"] >= 1 and annealed["eager_fallbacks"] == 0, annealed
     # The rate stays: eager on its first calls, then traced (the value call
     # and its derivative), then replayed, no Python run of the model.
     traces.clear()
