@@ -229,14 +229,21 @@ class SeedWatch:
 # an (8,) input, 160 us before, on a shared 2-core CPU: ``get_state``
 # copies the CPU generator's 5 KB). A generator is process-wide, so a
 # change may be another thread's draw (a data loader's shuffle while XLA
-# runs the step): the call is then run again, on copies of its inputs, with
-# the generators put back, under a mode that sees this thread's random ops
-# (``RandomOpsSeen``), and refused only where that run draws from them too.
+# runs the step): the call is then run again, on copies of its inputs,
+# under a mode that sees this thread's random ops and stops the run at its
+# first draw from them (``_ForwardDrawsSeen``; NOTE [the sure run leaves
+# other threads' draws]), and refused only where that run reaches one.
 # The derivative has drawn already and cannot be undone into a right one:
 # the value call kept no token. So it is refused, naming the function and
 # the fix: make the draw happen whatever the input's values
 # (``torch.where(cond, dropout(x), x)``), so that the trial runs see it and
-# the derivatives replay the value's draws. A generator the function makes
+# the derivatives replay the value's draws. A draw inside autograd's
+# backward pass (a custom Function whose backward draws: a stochastic
+# gradient estimator) is no such draw: the value call never ran that
+# backward, so there is no draw of the value's to replay, and it ran
+# before this check came, as in PyTorch. The sure run counts only draws
+# outside a backward pass (``_ForwardDrawsSeen``: PyTorch's graph task id
+# is -1 there); such a function pays that run on every derivative call. A generator the function makes
 # or reaches in another way, and a function given ``output_shapes=`` (no
 # effects known; its derivatives draw again, as documented), stay unwatched.
 
@@ -275,13 +282,70 @@ class DrawWatch:
 
     def drew_here(self, run: Callable[[], Any]) -> str | None:
         """What ``run`` draws from on this thread, of the watched kinds of
-        generator (as ``unseen_draws_refusal`` names it), or None; every
-        generator is put back as it was."""
-        with random_state_kept(), RandomOpsSeen() as seen:
-            run()
-        if self.plain and seen.plain:
-            return "PyTorch's random generator"
-        return "a generator passed as generator=" if self.own and seen.given else None
+        generator (as ``unseen_draws_refusal`` names it), or None. ``run`` is
+        stopped before its first such draw, and PyTorch's generators are put
+        back only where this thread drew from them: another thread's draws
+        made meanwhile stand (NOTE [the sure run leaves other threads'
+        draws])."""
+        generators = generators_in_use()
+        states = [generator.get_state() for generator in generators]
+        seen = _ForwardDrawsSeen(plain=self.plain, given=bool(self.own))
+        try:
+            with seen:
+                run()
+        except _WatchedDrawReached:
+            pass
+        finally:
+            if seen.drew:
+                for generator, state in zip(generators, states):
+                    generator.set_state(state)
+        if seen.reached is None:
+            return None
+        return "PyTorch's random generator" if seen.reached == "plain" else "a generator passed as generator="
+
+
+# NOTE [the sure run leaves other threads' draws]
+# The sure run (``DrawWatch.drew_here``) put PyTorch's generators back as
+# it found them when it ended (``random_state_kept``). A generator is
+# process-wide, and that run comes exactly when another thread draws
+# meanwhile (NOTE [draws the trial runs did not see]): every draw that
+# thread made during the run was undone, and it drew the same numbers again
+# (1.5 million of 2.2 million ``torch.rand(1)`` draws of a thread beside a
+# jitted ``jax.grad`` loop were repeats, against the 14 thousand chance
+# collisions before). So the run is stopped before its first draw of a
+# watched kind (``_WatchedDrawReached``), which it never makes, and the
+# generators are put back only where this thread did draw (a backward's
+# draws, or those of a kind not watched): a thread drawing while such a
+# function runs again can still lose those few draws.
+
+
+class _WatchedDrawReached(Exception):
+    """Raised by ``_ForwardDrawsSeen`` before a draw of a watched kind."""
+
+
+class _ForwardDrawsSeen(RandomOpsSeen):
+    """``RandomOpsSeen`` for the sure run: the first draw of a watched kind
+    (from PyTorch's generators where ``plain``, from one passed as
+    ``generator=`` where ``given``) made outside autograd's backward pass is
+    not made: the run is stopped there (``reached`` says which kind). A
+    custom Function's backward that draws (a stochastic gradient estimator)
+    replays no draw of the value's, which never ran it (NOTE [draws the trial
+    runs did not see]). ``drew`` says whether a draw was made at all."""
+
+    def __init__(self, plain: bool, given: bool) -> None:
+        super().__init__()
+        self._watched = {"plain": plain, "given": given}
+        self.reached: str | None = None
+        self.drew = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if draws(func, args, kwargs or {}) and torch._C._current_graph_task_id() == -1:  # private: -1 outside a backward
+            kind = "plain" if _given_generator(func, kwargs) is None else "given"
+            if self._watched[kind]:
+                self.reached = kind
+                raise _WatchedDrawReached(kind)
+        self.drew = self.drew or draws(func, args, kwargs or {})
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def _state_bytes(generator: torch.Generator) -> bytes:

@@ -470,6 +470,44 @@ def test_forward_mode_through_a_backward_that_drops_its_gradient_is_refused_not_
             jax.block_until_ready(run())
 
 
+class PartlyNumpyBackwardScaledSin(torch.autograd.Function):
+    """sin(x) * s with setup_context, no jvp: its backward gives x's gradient
+    in torch ops and s's in NumPy."""
+
+    @staticmethod
+    def forward(x, s):
+        return torch.sin(x) * s
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, s = ctx.saved_tensors
+        grad_s = (np.sin(to_numpy(x.detach())) * to_numpy(grad.detach())).sum()
+        return torch.cos(x) * s * grad, torch.tensor(grad_s, dtype=s.dtype, device=s.device).reshape(s.shape)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_forward_mode_through_a_backward_that_drops_one_inputs_part_is_refused_not_zero(mode):
+    # The check asked whether any result reached the cotangent: x's did, so
+    # jax.jvp in s came out zero (sin(x) in jax.numpy).
+    f = t2j_ad.jaxify(PartlyNumpyBackwardScaledSin.apply, compile=mode)
+    reference = lambda x, s: jnp.sin(x) * s  # noqa: E731
+    s = jnp.array(1.5, jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # the double-vjp trick, announced
+        assert_tree_allclose(
+            jax.grad(lambda x, s: f(x, s).sum(), (0, 1))(X, s),
+            jax.grad(lambda x, s: reference(x, s).sum(), (0, 1))(X, s),
+            rtol=1e-5,
+        )
+        refusal = "backward of PartlyNumpyBackwardScaledSin is not differentiable in its incoming gradient"
+        with pytest.raises(Exception, match=refusal):
+            jax.block_until_ready(jax.jvp(f, (X, s), (jnp.zeros_like(X), jnp.array(1.0, jnp.float32))))
+
+
 def once_differentiable_for_positive_sums(x):
     """x**3 through a @once_differentiable backward where x sums above 0,
     through a differentiable one elsewhere."""

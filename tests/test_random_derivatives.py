@@ -1056,3 +1056,74 @@ def test_a_nested_jaxified_call_that_draws_gives_the_value_and_gradient_of_one_m
             grad, value = torch.func.grad_and_value(_nested_reference)(to_torch(x))
             assert_tree_allclose(got, (to_numpy(value), to_numpy(grad)))
             assert_tree_allclose(to_numpy(after), to_numpy(torch.rand(3, device=TORCH_DEVICE)))
+
+
+class NoisyBackwardSquare(torch.autograd.Function):
+    """x**2 whose backward scales its gradient by random noise (a stochastic
+    gradient estimator): it draws in the backward pass alone, which the
+    trial runs of the forward never run."""
+
+    @staticmethod
+    def forward(x):
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad * (1 + 0.1 * torch.randn_like(grad))
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_backward_that_draws_is_not_refused_as_a_draw_the_trial_runs_did_not_see(mode):
+    # NOTE [draws the trial runs did not see]: the draw watch refused every
+    # gradient of such a Function (the backward's draws replay nothing of the
+    # value's: the value call never ran that backward).
+    def noisy(x):
+        return torch.sin(NoisyBackwardSquare.apply(x)).sum()
+
+    f = t2j_ad.jaxify(noisy, compile=mode)
+    x = jnp.linspace(-1.0, 1.0, 8)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        grad = jax.block_until_ready(jax.grad(f)(x))
+        after = torch.get_rng_state()
+        torch.manual_seed(seed)
+        expected = torch.func.grad(noisy)(to_torch(x))
+        assert_tree_allclose(grad, to_numpy(expected), rtol=1e-5, atol=1e-6)
+        assert torch.equal(after, torch.get_rng_state())
+
+
+def test_a_derivative_call_beside_a_thread_that_draws_does_not_repeat_that_threads_draws():
+    # NOTE [the sure run leaves other threads' draws] in random_state.py: the
+    # run that tells this thread's draws from another's put PyTorch's
+    # generator back, undoing the other thread's draws made meanwhile.
+    def slow_sine(x):
+        for _ in range(100):
+            x = torch.sin(x) * 1.01
+        return x.sum()
+
+    grad = jax.jit(jax.grad(t2j_ad.jaxify(slow_sine)))
+    x = jnp.linspace(0.0, 1.0, 64)
+    jax.block_until_ready(grad(x))
+    drawn: list[float] = []
+    stop = threading.Event()
+
+    def draw_until_stopped():
+        while not stop.is_set():
+            drawn.append(torch.rand(1, dtype=torch.float64).item())
+
+    other = threading.Thread(target=draw_until_stopped)
+    other.start()
+    try:
+        for _ in range(30):
+            got = jax.block_until_ready(grad(x))
+    finally:
+        stop.set()
+        other.join()
+    expected = torch.func.grad(slow_sine)(to_torch(x))
+    assert_tree_allclose(got, to_numpy(expected), rtol=1e-5, atol=1e-6)
+    assert len(drawn) > 100 and len(set(drawn)) == len(drawn)

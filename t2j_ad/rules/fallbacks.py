@@ -381,7 +381,14 @@ def _graph_nodes(tensors: Iterable[Any]) -> Iterator[Any]:
 # an op whose derivative is zero (``round``: its backward gives zeros that
 # require no grad, so the Function's cotangent does not require grad), an
 # integer output (its cotangent cannot require grad), or a backward that
-# reads only some of its outputs' cotangents. A backward that returns a
+# reads only some of its outputs' cotangents. Where every cotangent the
+# backward was given is connected to ``u``, each float result must reach
+# one: a result for one input computed in NumPy beside a differentiable one
+# for another (``sin(x) * s``, ``s``'s gradient in NumPy) dropped its part,
+# and forward mode in that input came out zero while the other result
+# passed the check. Where some cotangent is not connected (an output whose
+# gradient was cut, or unused), a result may rightly depend on that one
+# alone, and one result reaching a connected cotangent is enough. A backward that returns a
 # fresh constant (``torch.zeros_like(g)``) for a result that is truly zero
 # is refused too; return None for it instead. The walk costs one pass over
 # the call's forward graph and, per custom node, a search of its backward's
@@ -421,10 +428,13 @@ def _backward_dropped_cotangent(
     """Whether a backward given ``cotangents`` returned ``results`` none of
     which depends on a cotangent that requires grad (NOTE [a backward that
     drops its cotangent])."""
-    connected = [g for g in cotangents if isinstance(g, torch.Tensor) and g.requires_grad]
+    given = [g for g in cotangents if isinstance(g, torch.Tensor)]
+    connected = [g for g in given if g.requires_grad]
     floats = [r for r in results if isinstance(r, torch.Tensor) and (r.is_floating_point() or r.is_complex())]
     if not connected or not floats:
         return False
+    if len(connected) == len(given):  # each result must reach one (NOTE [a backward that drops its cotangent])
+        return not all(_reaches([r], connected) for r in floats)
     return not _reaches(floats, connected)
 
 

@@ -558,13 +558,16 @@ def test_a_pmap_of_forward_mode_calls_inside_a_first_call():
         np.testing.assert_allclose(value, want.numpy(), rtol=1e-5, atol=1e-5)
 
 
-def test_compile_stats_count_graphs_dropped_before_a_sharded_call_once(mesh):
+def test_compile_stats_count_graphs_dropped_before_a_sharded_call_once(mesh, monkeypatch):
     # The per-device copy of a function (BaseFn.with_leading_size) shared its
     # record of the graphs the function had dropped (NOTE [how many graphs a
     # function keeps]), so compile_stats counted each of them twice once a
     # sharded jax.jit had run it per device. A graph per dropout rate: more
-    # rates than graphs kept.
+    # rates than graphs kept, each traced (not run eagerly as an annealing
+    # is after a few: NOTE [a rate annealed every step]).
     from t2j_ad import graph_mode
+
+    monkeypatch.setattr(graph_mode, "_RETRACES_FOR_RATES", 100)
 
     net = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Dropout(0.5))
     f = t2j_ad.jaxify(lambda x: net(x), batch_argnums=0, compile="graph")
