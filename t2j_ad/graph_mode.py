@@ -898,17 +898,10 @@ def _eager_for_rates(base: Any, rated: list[Artifact], seen: RatesSeen) -> Artif
     all but their rates, at rates none of ``rated`` was traced with, until
     they settle (``seen``); neither cached nor announced (NOTE [a rate
     annealed every step])."""
-    base.__dict__["eager_for_rates"] = base.__dict__.get("eager_for_rates", 0) + 1
+    _counted_more(base, eager_for_rates=1)
     modes = rated[0].modes
     seen.run_eagerly(modes.rates_now())  # this call's
     return EagerForRates(modes, [artifact.modes.rates() for artifact in rated], seen)
-
-
-def eager_for_rates(base: Any) -> int:
-    """How often one of ``base``'s TorchFns went on eagerly for its new
-    dropout rates rather than trace each (NOTE [a rate annealed every
-    step])."""
-    return base.__dict__.get("eager_for_rates", 0)
 
 
 def record_eager(base: Any, transforms: tuple[Any, ...], reason: str) -> None:
@@ -946,7 +939,7 @@ def _keep(base: Any, cache: dict[Any, Artifact], where: tuple[Any, Any], artifac
     [how many graphs a function keeps]). Called under ``base``'s graph lock."""
     for key in moved:
         if key in cache:
-            _count_dropped(base, cache.pop(key))
+            _counted_more(base, dropped=cache.pop(key))
     # Its own key, never one in use: graphs of settings its modules' ids,
     # flags and rates do not tell apart (hooks, forwards) stand beside it.
     setting = (tuple((id(m), flag) for m, flag in artifact.modes), artifact.modes.rates())
@@ -982,13 +975,13 @@ def no_stats() -> dict[str, float]:
 
 def stats_of(base: Any) -> dict[str, float]:
     """``compile_stats()`` of what ``base``'s TorchFns made: the artifacts
-    kept, the counts of those ``_drop_the_oldest`` dropped (NOTE [how many
-    graphs a function keeps]), and how often they went on eagerly for new
-    rates (NOTE [a rate annealed every step])."""
-    counted = dict(base.__dict__.get("graphs_dropped") or no_stats())
+    kept, and what ``base`` counted of those no longer kept (``counted``:
+    those ``_drop_the_oldest`` dropped, NOTE [how many graphs a function
+    keeps]; how often they went on eagerly for new rates, NOTE [a rate
+    annealed every step])."""
+    counted = dict(base.__dict__.get("counted") or no_stats())
     for artifact in artifacts(base):
         _count(counted, artifact)
-    counted["eager_for_rates"] += eager_for_rates(base)
     return counted
 
 
@@ -1011,7 +1004,7 @@ def _count(stats: dict[str, float], artifact: Artifact) -> None:
 # transform stack and device keeps the graphs of its last few settings
 # (``_GRAPHS_KEPT``), dropping the oldest; ``compile_stats()`` still
 # counts what the dropped ones cost, from counts the function keeps
-# (``graphs_dropped``), one dict however many were dropped, as a jaxified
+# (``counted``), one dict however many were dropped, as a jaxified
 # function counts the signatures it drops (its ``_dropped_stats``): a stub
 # artifact kept per dropped graph grew by one on every step, without end.
 # A per-device copy of the function (``BaseFn.with_leading_size``) starts
@@ -1034,20 +1027,25 @@ _GRAPHS_KEPT = 8
 
 def _drop_the_oldest(base: Any, cache: dict[Any, Artifact], where: tuple[Any, Any]) -> None:
     """Keep ``_GRAPHS_KEPT`` traced artifacts of ``where`` in ``cache``, the
-    newest, and count those dropped in ``base``'s ``graphs_dropped`` (NOTE
+    newest, and count those dropped in ``base``'s ``counted`` (NOTE
     [how many graphs a function keeps]). Called under ``base``'s graph lock."""
     traced = [key for key in cache if key[:2] == where and len(key) == 4]
     for key in traced[: max(0, len(traced) - _GRAPHS_KEPT)]:
-        _count_dropped(base, cache.pop(key))
+        _counted_more(base, dropped=cache.pop(key))
 
 
-def _count_dropped(base: Any, artifact: Artifact) -> None:
-    """Count ``artifact``, dropped from ``base``'s cache, in its
-    ``graphs_dropped`` (NOTE [how many graphs a function keeps]). Called
-    under ``base``'s graph lock."""
-    dropped = dict(base.__dict__.get("graphs_dropped") or no_stats())
-    _count(dropped, artifact)
-    base.__dict__["graphs_dropped"] = dropped  # whole: stats_of reads it without the lock
+def _counted_more(base: Any, dropped: Artifact | None = None, eager_for_rates: int = 0) -> None:
+    """Add to ``base``'s ``counted`` (what ``compile_stats()`` counts of what
+    its cache does not hold) the artifact ``dropped`` from its cache (NOTE
+    [how many graphs a function keeps]) and ``eager_for_rates`` eager runs
+    for new rates (NOTE [a rate annealed every step]). Called under
+    ``base``'s graph lock; replaced whole, as ``stats_of`` reads it without
+    the lock."""
+    counts = dict(base.__dict__.get("counted") or no_stats())
+    if dropped is not None:
+        _count(counts, dropped)
+    counts["eager_for_rates"] += eager_for_rates
+    base.__dict__["counted"] = counts
 
 
 # Words in a trace's failure that say it read a tensor's value into Python

@@ -296,7 +296,7 @@ class DrawWatch:
         except _WatchedDrawReached:
             pass
         finally:
-            if seen.drew:
+            if seen.seen:
                 for generator, state in zip(generators, states):
                     generator.set_state(state)
         if seen.reached is None:
@@ -330,13 +330,12 @@ class _ForwardDrawsSeen(RandomOpsSeen):
     not made: the run is stopped there (``reached`` says which kind). A
     custom Function's backward that draws (a stochastic gradient estimator)
     replays no draw of the value's, which never ran it (NOTE [draws the trial
-    runs did not see]). ``drew`` says whether a draw was made at all."""
+    runs did not see]). ``seen`` says whether a draw was made at all."""
 
     def __init__(self, plain: bool, given: bool) -> None:
         super().__init__()
         self._watched = {"plain": plain, "given": given}
         self.reached: str | None = None
-        self.drew = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         if draws(func, args, kwargs or {}) and torch._C._current_graph_task_id() == -1:  # private: -1 outside a backward
@@ -344,7 +343,6 @@ class _ForwardDrawsSeen(RandomOpsSeen):
             if self._watched[kind]:
                 self.reached = kind
                 raise _WatchedDrawReached(kind)
-        self.drew = self.drew or draws(func, args, kwargs or {})
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 

@@ -577,9 +577,8 @@ class _Runner:
         eager = self.__dict__.get("_eager")
         if eager is None:
             eager = copy.copy(self)
-            eager.call, eager.compile, eager.call_into, eager.into_artifact = self.impl, "eager", None, None
-            eager.assumed = eager.cuda_graph = eager.per_device = eager._unused = None
-            eager.grad_enabled, eager.forward_ad = self._untraced
+            eager._forget_graph()  # as before any graph, then eager for good
+            eager.call, eager.compile, eager.per_device, eager._unused = self.impl, "eager", None, None
             self._eager = eager
         root = getattr(self.base, "effects_root", None) or self.base
         warn_once(
