@@ -35,6 +35,8 @@ code never meets (NOTE [graph mode] in graph_mode.py).
 
 from __future__ import annotations
 
+import collections
+
 import contextlib
 import threading
 import warnings
@@ -347,11 +349,11 @@ _ONCE_DIFFERENTIABLE_CODE = torch.autograd.function.once_differentiable(lambda c
 
 
 def _graph_nodes(tensors: Iterable[Any]) -> Iterator[Any]:
-    """Every autograd node behind ``tensors``, each once."""
+    """Every autograd node behind ``tensors``, each once, nearest first."""
     seen: set[Any] = set()
-    nodes = [getattr(t, "grad_fn", None) for t in tensors if isinstance(t, torch.Tensor)]
+    nodes = collections.deque(getattr(t, "grad_fn", None) for t in tensors if isinstance(t, torch.Tensor))
     while nodes:
-        node = nodes.pop()
+        node = nodes.popleft()
         if node is None or node in seen:
             continue
         seen.add(node)
@@ -442,7 +444,7 @@ def _reaches(tensors: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -
     """Whether the autograd graph behind ``tensors`` holds one of ``targets``
     (by the node that made it, or, for a leaf, its AccumulateGrad node), at
     any ``torch.func`` level: each wrapper layer's graph is walked (NOTE [a
-    backward that drops its cotangent]). Breadth first, since a backward's
+    backward that drops its cotangent]). Breadth first (``_graph_nodes``), since a backward's
     result is near its cotangent."""
     layers = [layer for t in targets for layer in functorch_levels.wrapped_layers(t)]
     target_nodes = {layer.grad_fn for layer in layers if layer.grad_fn is not None}
@@ -450,19 +452,9 @@ def _reaches(tensors: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -
     starts = [layer for t in tensors for layer in functorch_levels.wrapped_layers(t)]
     if any(id(layer) in target_leaves for layer in starts):
         return True
-    seen: set[Any] = set()
-    frontier = [layer.grad_fn for layer in starts if layer.grad_fn is not None]
-    while frontier:
-        following = []
-        for node in frontier:
-            if node is None or node in seen:
-                continue
-            if node in target_nodes or id(getattr(node, "variable", None)) in target_leaves:
-                return True
-            seen.add(node)
-            following.extend(child for child, _ in node.next_functions)
-        frontier = following
-    return False
+    return any(
+        node in target_nodes or id(getattr(node, "variable", None)) in target_leaves for node in _graph_nodes(starts)
+    )
 
 
 def _refuse_dropped_cotangent(base: Any, dropped: Sequence[type]) -> None:
