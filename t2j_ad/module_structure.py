@@ -202,7 +202,7 @@ def nothing_moved(registered: tuple[int, int], since: tuple[int, int], places: S
     be compared (NOTE [a hook removed after a call]); where this is False,
     the structure is compared hook by hook as what they run, and the same
     hooks back in their places hold (NOTE [a hook registered again])."""
-    return registered == since and (not places or hooks_still_in_place(places))
+    return registered == since and hooks_still_in_place(places)
 
 
 def _submodules(modules: Sequence[Any]) -> list[Any]:

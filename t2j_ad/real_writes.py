@@ -63,6 +63,7 @@ from .module_hooks import (
     own_global_hooks,
     put_back_removed_hooks,
     recomputing_hook,
+    removals_elsewhere,
     remove_hooks_since,
 )
 from .random_state import random_state_kept
@@ -640,8 +641,11 @@ class TrialRun:
         self._nested_writes: list[StateWrites] = []
         # How many hooks the run removed (a hook that removes itself) and
         # put back as it ended (NOTE [hooks a trial run registers] in
-        # module_hooks.py); set once it has.
+        # module_hooks.py), and how many another thread removed meanwhile,
+        # left out (NOTE [a hook removed on another thread during a trial
+        # run]); set once it has ended.
         self.hooks_put_back = 0
+        self.hooks_removed_elsewhere = 0
 
     def note_nested(self, draws: bool, given_draws: int, writes: StateWrites) -> None:
         """Count what a jaxified call made inside the run does as the run's
@@ -932,11 +936,20 @@ def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()
     .data]); yields what records the attributes it rebound and the state it
     wrote. One at a time in the process (NOTE [one trial run at a time]).
     The hooks it removed from the modules it ran or refers to, and from the
-    global tables, are put back too; ``TrialRun.hooks_put_back`` counts
-    them once it has ended (NOTE [hooks a trial run registers])."""
+    global tables, are put back too, but those another thread removed
+    meanwhile; ``TrialRun.hooks_put_back`` counts them once it has ended,
+    and ``hooks_removed_elsewhere`` those left out (NOTE [hooks a trial run
+    registers], NOTE [a hook removed on another thread during a trial
+    run])."""
     under = modules_under(modules)  # walked once: what it keeps, and whose locks it holds
     # NOTE [waiting for a lock without the trial-run lock] in module_locks.py
-    with taken_after(_one_trial_run, locks_of(under)), _in_trial_run(), _data_swaps_undone():
+    # NOTE [a hook removed on another thread during a trial run] in module_hooks.py
+    with (
+        taken_after(_one_trial_run, locks_of(under)),
+        _in_trial_run(),
+        _data_swaps_undone(),
+        removals_elsewhere() as elsewhere,
+    ):
         caches = CachesKept()
         first_hook = hooks_numbered()
         hooks = hook_tables_kept(under)
@@ -957,9 +970,9 @@ def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()
             caches.take_back()
             # NOTE [hooks a trial run registers] in module_hooks.py
             remove_hooks_since(first_hook, [*under, *kept.seen_modules.values()])
-            put_back = put_back_removed_hooks(hooks)
+            put_back, left_out = put_back_removed_hooks(hooks, elsewhere)
             if run is not None:
-                run.hooks_put_back = put_back
+                run.hooks_put_back, run.hooks_removed_elsewhere = put_back, left_out
 
 
 def _keeping_hooks_of_others(
