@@ -177,16 +177,18 @@ def generators_in_use() -> list[torch.Generator]:
 
 
 @contextlib.contextmanager
-def random_state_kept() -> Iterator[None]:
+def random_state_kept(only_if: Callable[[], bool] | None = None) -> Iterator[None]:
     """Within the block draw and seed freely: each default generator is put
-    back as it was when the block ends (NOTE [random state in trial runs])."""
+    back as it was when the block ends (NOTE [random state in trial runs]);
+    with ``only_if``, only where it says so then."""
     generators = generators_in_use()
     states = [g.get_state() for g in generators]
     try:
         yield
     finally:
-        for generator, state in zip(generators, states):
-            generator.set_state(state)
+        if only_if is None or only_if():
+            for generator, state in zip(generators, states):
+                generator.set_state(state)
 
 
 class SeedWatch:
@@ -287,18 +289,9 @@ class DrawWatch:
         back only where this thread drew from them: another thread's draws
         made meanwhile stand (NOTE [the sure run leaves other threads'
         draws])."""
-        generators = generators_in_use()
-        states = [generator.get_state() for generator in generators]
         seen = _ForwardDrawsSeen(plain=self.plain, given=bool(self.own))
-        try:
-            with seen:
-                run()
-        except _WatchedDrawReached:
-            pass
-        finally:
-            if seen.seen:
-                for generator, state in zip(generators, states):
-                    generator.set_state(state)
+        with random_state_kept(only_if=lambda: seen.seen), contextlib.suppress(_WatchedDrawReached), seen:
+            run()
         if seen.reached is None:
             return None
         return "PyTorch's random generator" if seen.reached == "plain" else "a generator passed as generator="
