@@ -36,13 +36,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import secrets
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # private, as in real_writes.py
 
-from .references import reachable
+from .references import reachable, users_code
 
 
 def _given_generator(func: Any, kwargs: dict[str, Any] | None) -> torch.Generator | None:
@@ -52,24 +53,34 @@ def _given_generator(func: Any, kwargs: dict[str, Any] | None) -> torch.Generato
     return (kwargs or {}).get("generator")
 
 
-class _GeneratorsPutBack(TorchDispatchMode):
-    """A mode that puts every generator it saw back as it found it (its
+class _GeneratorsFound(TorchDispatchMode):
+    """A mode that notes generators it sees, each with its state then
+    (``found``), and can put them back as it found them (``put_back``: its
     first sight of each; a generator seen twice, through two objects, ends
-    at the state before the first) when the block ends."""
+    at the state before the first)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._found: list[tuple[torch.Generator, torch.Tensor]] = []
+        self.found: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def _note(self, generator: torch.Generator) -> None:
-        self._found.append((generator, generator.get_state()))
+        self.found.append((generator, generator.get_state()))
 
-    def __exit__(self, *exc: Any) -> Any:
+    def put_back(self) -> None:
+        """Each generator noted, as it was found; then forget them."""
         try:
-            for generator, state in reversed(self._found):
+            for generator, state in reversed(self.found):
                 generator.set_state(state)
         finally:
-            self._found = []
+            self.found = []
+
+
+class _GeneratorsPutBack(_GeneratorsFound):
+    """A mode that puts every generator it saw back as it found it when the
+    block ends."""
+
+    def __exit__(self, *exc: Any) -> Any:
+        self.put_back()
         return super().__exit__(*exc)
 
 
@@ -239,15 +250,90 @@ class SeedWatch:
 # the value call kept no token. So it is refused, naming the function and
 # the fix: make the draw happen whatever the input's values
 # (``torch.where(cond, dropout(x), x)``), so that the trial runs see it and
-# the derivatives replay the value's draws. A draw inside autograd's
+# the derivatives replay the value's draws. The refused call leaves the
+# watched generators, and those it drew from as ``generator=``, as it
+# found them (``DrawWatch.put_back``): a caller who catches the error
+# draws on as if it never ran, as after PyTorch's own forward alone (it
+# was one draw ahead, or more; a draw another thread made during the
+# refused call is undone with it). A draw inside autograd's
 # backward pass (a custom Function whose backward draws: a stochastic
 # gradient estimator) is no such draw: the value call never ran that
 # backward, so there is no draw of the value's to replay, and it ran
 # before this check came, as in PyTorch. The sure run counts only draws
 # outside a backward pass (``_ForwardDrawsSeen``: PyTorch's graph task id
-# is -1 there); such a function pays that run on every derivative call. A generator the function makes
-# or reaches in another way, and a function given ``output_shapes=`` (no
-# effects known; its derivatives draw again, as documented), stay unwatched.
+# is -1 there); such a function pays that run on every derivative call. A
+# generator the function makes in the call is watched otherwise (NOTE
+# [generators a function makes]); one it reaches in another way, and a
+# function given ``output_shapes=`` (no effects known; its derivatives draw
+# again, as documented), stay unwatched.
+
+# NOTE [generators a function makes]
+# A function may make a generator in each call (``g = torch.Generator()``)
+# and draw from it only for some input values: no generator to watch exists
+# before the call (NOTE [draws the trial runs did not see]). Seeded the same
+# way in every run (``.manual_seed(0)``, a seed read from the input,
+# PyTorch's own default seed), the derivative draws the value's numbers
+# again and is right, as ``torch.func`` on the same draws. Seeded otherwise
+# (``g.seed()``, the time, a counter), the derivative drew other numbers and
+# differentiated another mask, without a word (every ``jax.grad``,
+# ``value_and_grad`` and ``vjp``, eager and graph mode). A seed drawn from
+# PyTorch's generator is a draw of its own, watched or replayed as such. So
+# where the function's code (``references.reachable`` from it, the methods
+# of the classes it reaches and of the modules it runs, the user's own, not
+# PyTorch's) names ``Generator`` (``makes_generators``, once per signature;
+# nothing is found that a library makes), a watched derivative call also
+# notes the state of each generator passed as ``generator=`` before each of
+# its draws (``GivenDrawStates``: a mode on every op of such a function's
+# derivative calls alone; one on every derivative call would cost 70 us, on
+# a 120 us ``torch.func.vjp`` of ``sin(x) * 2``). Where it drew from one,
+# the call is run again, as the sure run is, and stopped once it has reached
+# each of those draws from the same state, or at the first from another
+# (``_GivenDrawsCompared``): refused there, with the fix, as above. A
+# function whose trial runs drew from such generators keeps their states in
+# its token and is replayed (NOTE [derivatives replay the value's draws] in
+# replayed_calls.py), whatever their seeds.
+
+
+def makes_generators(fn: Callable[..., Any], modules: Sequence[torch.nn.Module]) -> bool:
+    """Whether ``fn``'s code, code it reaches (``references.reachable``), or
+    a method of the class of a module it runs (``modules``, with their
+    submodules; of the user's classes) names ``torch.Generator``: it may
+    make generators of its own (NOTE [generators a function makes])."""
+    if reachable(fn, _names_generator):
+        return True
+    classes = {klass for module in modules for sub in module.modules() for klass in type(sub).__mro__}
+    return any(
+        reachable(member, _names_generator)
+        for klass in classes
+        if users_code(klass.__module__)
+        for member in vars(klass).values()
+    )
+
+
+def _names_generator(obj: Any) -> bool:
+    """Whether ``obj`` is ``torch.Generator``, or a function of the user's
+    whose code (or code defined in it) names ``Generator``, or a class of
+    the user's with such a method."""
+    if obj is torch.Generator:
+        return True
+    if isinstance(obj, type):
+        return any(
+            _names_generator(member)
+            for klass in obj.__mro__
+            if users_code(klass.__module__)
+            for member in vars(klass).values()
+            if not isinstance(member, type)
+        )
+    function = getattr(obj, "__func__", obj)
+    code = getattr(function, "__code__", None)
+    return isinstance(code, types.CodeType) and users_code(getattr(function, "__module__", None)) and _names_in(code)
+
+
+def _names_in(code: types.CodeType) -> bool:
+    """Whether ``code``, or code defined in it (a lambda, a nested function), names ``Generator``."""
+    return "Generator" in code.co_names or any(
+        _names_in(const) for const in code.co_consts if isinstance(const, types.CodeType)
+    )
 
 
 def referenced_generators(fn: Callable[..., Any]) -> tuple[torch.Generator, ...]:
@@ -260,11 +346,14 @@ def referenced_generators(fn: Callable[..., Any]) -> tuple[torch.Generator, ...]
 class DrawWatch:
     """The generators a call must not draw from (NOTE [draws the trial runs
     did not see]): their states before a call (``before``), and whether a
-    call drew from them (``drew``, cheap; ``drew_here``, sure)."""
+    call drew from them (``drew``, cheap; ``drew_here``, sure); where
+    ``inner``, whether it drew from generators it makes other than a run
+    again does (``drew_unrepeatably``; NOTE [generators a function makes])."""
 
-    def __init__(self, plain: bool, own: Sequence[torch.Generator]) -> None:
+    def __init__(self, plain: bool, own: Sequence[torch.Generator], inner: bool = False) -> None:
         self.plain = plain  # PyTorch's default generators
         self.own = tuple(own)  # those passed as generator=
+        self.inner = inner  # the draws from generators it may make itself
         # Without CUDA the generators never change: found once, not per call.
         self._fixed = None if plain and torch.cuda.is_available() else self._generators()
 
@@ -296,6 +385,51 @@ class DrawWatch:
             return None
         return "PyTorch's random generator" if seen.reached == "plain" else "a generator passed as generator="
 
+    @staticmethod
+    def given_draws_noted() -> GivenDrawStates:
+        """A mode to run the call in, where ``inner``: it notes the call's
+        draws from generators passed as ``generator=``."""
+        return GivenDrawStates()
+
+    @staticmethod
+    def drew_unrepeatably(run: Callable[[], Any], given: GivenDrawStates) -> str | None:
+        """Where the call drew from generators passed as ``generator=``
+        (``given``), whether ``run``, the call again, draws from them from
+        other states: ``run`` is stopped at its first draw from another
+        state, or once it has reached each of the call's draws, and never
+        makes that draw; the source, as ``unseen_draws_refusal`` names it,
+        or None (NOTE [generators a function makes]). PyTorch's generators
+        are put back where this thread drew from them."""
+        if not given.found:
+            return None
+        compared = _GivenDrawsCompared([_bytes(state) for _, state in given.found])
+        with random_state_kept(only_if=lambda: compared.plain > 0), contextlib.suppress(_WatchedDrawReached), compared:
+            run()
+        return _MADE_GENERATOR if compared.differ else None
+
+    @staticmethod
+    def put_back(before: Sequence[tuple[torch.Generator, bytes]], given: GivenDrawStates | None) -> None:
+        """Each generator the refused call drew from as ``generator=``
+        (``given``), then each watched one (``before``), as the call found
+        it (NOTE [draws the trial runs did not see])."""
+        if given is not None:
+            given.put_back()
+        for generator, state in before:
+            if _state_bytes(generator) != state:
+                generator.set_state(_state_from(state))
+
+
+class GivenDrawStates(_GeneratorsFound):
+    """Within the block, each generator passed as ``generator=`` to a draw
+    made outside autograd's backward pass, with its state just before the
+    draw (``found``), in order (NOTE [generators a function makes])."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        generator = _given_generator(func, kwargs)
+        if generator is not None and _forward_draw(func, args, kwargs):
+            self._note(generator)
+        return func(*args, **(kwargs or {}))
+
 
 # NOTE [the sure run leaves other threads' draws]
 # The sure run (``DrawWatch.drew_here``) put PyTorch's generators back as
@@ -310,6 +444,12 @@ class DrawWatch:
 # generators are put back only where this thread did draw (a backward's
 # draws, or those of a kind not watched): a thread drawing while such a
 # function runs again can still lose those few draws.
+
+
+def _forward_draw(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> bool:
+    """Whether the op ``func`` draws random numbers (``draws``) outside
+    autograd's backward pass (NOTE [draws the trial runs did not see])."""
+    return draws(func, args, kwargs or {}) and torch._C._current_graph_task_id() == -1  # private: -1 outside a backward
 
 
 class _WatchedDrawReached(Exception):
@@ -331,7 +471,7 @@ class _ForwardDrawsSeen(RandomOpsSeen):
         self.reached: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if draws(func, args, kwargs or {}) and torch._C._current_graph_task_id() == -1:  # private: -1 outside a backward
+        if _forward_draw(func, args, kwargs):
             kind = "plain" if _given_generator(func, kwargs) is None else "given"
             if self._watched[kind]:
                 self.reached = kind
@@ -339,11 +479,48 @@ class _ForwardDrawsSeen(RandomOpsSeen):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+class _GivenDrawsCompared(RandomOpsSeen):
+    """``RandomOpsSeen`` for the run that tells whether a call's draws from
+    generators passed as ``generator=`` repeat: each such draw made outside
+    autograd's backward pass must find its generator in the state the
+    call's found (``expected``, in order). The run is stopped at the first
+    that does not (``differ`` stays True), or at the last expected, not
+    made (``differ`` False); one that ends with fewer such draws differs
+    too (NOTE [generators a function makes])."""
+
+    def __init__(self, expected: Sequence[bytes]) -> None:
+        super().__init__()
+        self._expected = expected
+        self._at = 0
+        self.differ = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        generator = _given_generator(func, kwargs)
+        if generator is not None and _forward_draw(func, args, kwargs):
+            if _state_bytes(generator) != self._expected[self._at]:
+                raise _WatchedDrawReached("given")
+            self._at += 1
+            if self._at == len(self._expected):
+                self.differ = False
+                raise _WatchedDrawReached("given")
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def _state_bytes(generator: torch.Generator) -> bytes:
-    """``generator``'s state, as bytes: read from its CPU tensor's memory,
-    several microseconds less than through ``.numpy()`` within a call."""
-    state = generator.get_state()
+    """``generator``'s state, as bytes."""
+    return _bytes(generator.get_state())
+
+
+def _bytes(state: torch.Tensor) -> bytes:
+    """A generator's ``state`` (a CPU byte tensor), as bytes: read from its
+    memory, several microseconds less than through ``.numpy()`` within a
+    call."""
     return ctypes.string_at(state.data_ptr(), state.numel())
+
+
+def _state_from(state: bytes) -> torch.Tensor:
+    """A generator state read by ``_state_bytes``, as ``set_state`` takes it."""
+    return torch.frombuffer(bytearray(state), dtype=torch.uint8)
 
 
 def unseen_draws_refusal(name: str, source: str) -> RuntimeError:
@@ -360,6 +537,9 @@ def unseen_draws_refusal(name: str, source: str) -> RuntimeError:
     )
 
 
+# How ``unseen_draws_refusal`` names a generator the function makes.
+_MADE_GENERATOR = "a torch.Generator it makes itself, seeded otherwise from run to run,"
+
 # What ``unseen_draws_refusal`` advises, by what the function drew from.
 _UNSEEN_DRAW_FIX = {
     None: (
@@ -369,5 +549,10 @@ _UNSEEN_DRAW_FIX = {
     "a generator passed as generator=": (
         "Draw from it a fixed number of times whatever the input's values (mask what you do not need: "
         "torch.where(cond, x * mask, x))"
+    ),
+    _MADE_GENERATOR: (
+        "Draw from it a fixed number of times whatever the input's values (mask what you do not need: "
+        "torch.where(cond, x * mask, x)), or seed it the same way in every run (torch.Generator().manual_seed(0), "
+        "or a seed read from the input)"
     ),
 }

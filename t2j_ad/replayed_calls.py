@@ -580,17 +580,19 @@ def unseen_draws_watch(fun: TorchFn) -> DrawWatch | None:
     """The generators a call of ``fun`` must not draw from, where it is a
     derivative (or a replay's) of a function whose trial runs saw it draw
     from none of them: PyTorch's default ones, those its code names (NOTE
-    [draws the trial runs did not see] in random_state.py); None for any
-    other call, and for a function given ``output_shapes=``."""
+    [draws the trial runs did not see] in random_state.py), those it makes
+    (NOTE [generators a function makes]); None for any other call, and for
+    a function given ``output_shapes=``."""
     base = fun.base
     if base.effects is None or all(isinstance(t, Vmap) for t in fun.transforms) or is_value_call(base):
         return None
-    root = getattr(base, "effects_root", None)
-    seen = base.effects if root is not None else effects_now(base)  # a variant's: what its token holds
-    own = getattr(root or base, "referenced_generators", ()) if not seen.given_draws else ()
-    if seen.draws_random and not own:
+    root = getattr(base, "effects_root", None) or base
+    seen = base.effects if root is not base else effects_now(base)  # a variant's: what its token holds
+    own = getattr(root, "referenced_generators", ()) if not seen.given_draws else ()
+    inner = not seen.given_draws and getattr(root, "makes_generators", False)
+    if seen.draws_random and not own and not inner:
         return None
-    return DrawWatch(not seen.draws_random, own)
+    return DrawWatch(not seen.draws_random, own, inner)
 
 
 def variants(base: BaseFn) -> list[BaseFn]:

@@ -968,9 +968,17 @@ class _RunnerWatchingDraws(_RunnerWatchingNames):
             self._run_once(inputs, outputs, stream)
             return
         before = watch.before()
-        self._run_once(inputs, outputs, stream)
+        given = None
+        if watch.inner:  # NOTE [generators a function makes] in random_state.py
+            with watch.given_draws_noted() as given:
+                self._run_once(inputs, outputs, stream)
+        else:
+            self._run_once(inputs, outputs, stream)
         source = watch.drew_here(lambda: self._run_again(inputs)) if watch.drew(before) else None
+        if source is None and given is not None:
+            source = watch.drew_unrepeatably(lambda: self._run_again(inputs), given)
         if source is not None:
+            watch.put_back(before, given)  # the refused call had no effect on them
             raise TorchCallError(str(unseen_draws_refusal(self.base.name, source)))
 
     def _watches_here(self, stream: int) -> bool:
@@ -1063,6 +1071,13 @@ class _RunnerWithEffects(_RunnerWatchingDraws):
             )
             return "eager"
         return mode
+
+    def _run_again(self, inputs: Sequence[torch.Tensor]) -> None:
+        # A replay draws from the generator its runner set from the token,
+        # as the call did (NOTE [generators a function makes] in random_state.py).
+        generator = self.generator
+        with generator.around(inputs, ()) if generator is not None else contextlib.nullcontext():
+            super()._run_again(inputs)
 
     def _run_once(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
         # NOTE [a hook that removed itself in a value call] in replayed_calls.py:

@@ -9,6 +9,8 @@ leaves it.
 from __future__ import annotations
 
 import copy
+import functools
+import itertools
 import threading
 import warnings
 from typing import Any
@@ -948,6 +950,173 @@ def _next_draws(generator):
     """The next draws from PyTorch's generator and from ``generator``, if any."""
     own = torch.rand(3, generator=generator, device=TORCH_DEVICE) if generator is not None else torch.zeros(3)
     return torch.cat([torch.rand(3, device=TORCH_DEVICE).cpu(), own.cpu()])
+
+
+_REFUSED_HOW = {
+    "value_and_grad": lambda f, x: jax.value_and_grad(lambda x: (f(x) ** 2).sum())(x),
+    "jit_value_and_grad": lambda f, x: jax.jit(jax.value_and_grad(lambda x: (f(x) ** 2).sum()))(x),
+    "jvp": lambda f, x: jax.jvp(f, (x,), (jnp.cos(x),)),
+    "vjp": lambda f, x: (lambda out, pull: (out, pull(jnp.cos(x))))(*jax.vjp(f, x)),
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("how", list(_REFUSED_HOW))
+@pytest.mark.parametrize("source", ["default", "own"])
+def test_a_refused_derivative_call_leaves_the_generators_as_it_found_them(source, how, mode):
+    # NOTE [draws the trial runs did not see]: the refused derivative call
+    # had drawn already (and the sure run before it), so a caller who caught
+    # the error drew on one draw ahead of PyTorch's forward alone.
+    generator = torch.Generator(device=TORCH_DEVICE) if source == "own" else None
+    drawn = _drawn_past_2(generator)
+    f = t2j_ad.jaxify(drawn, compile=mode)
+    x = jnp.linspace(1.0, 6.0, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # graph mode runs such a function eagerly, announced
+        jax.block_until_ready(f(x))  # its shapes inferred, its first call made
+        _seed_0_and(generator)
+        with pytest.raises((t2j_ad.TorchCallError, jax.errors.JaxRuntimeError), match="in a derivative call"):
+            jax.block_until_ready(_REFUSED_HOW[how](f, x))
+    after = _next_draws(generator)
+    _seed_0_and(generator)
+    drawn(to_torch(x))  # the value call, which PyTorch's forward makes too
+    assert torch.equal(after, _next_draws(generator))
+
+
+# How a function seeds the generator it makes in each call (NOTE
+# [generators a function makes] in random_state.py): alike in every run, or not.
+_SEEDED_ALIKE = {
+    "constant": lambda generator, x: generator.manual_seed(0),
+    "from_the_input": lambda generator, x: generator.manual_seed(int(x.sum().item() * 1000)),
+    "default": lambda generator, x: generator,
+}
+_SEEDED_OTHERWISE = {
+    "counter": lambda generator, x: generator.manual_seed(next(_SEED_COUNTER)),
+    "entropy": lambda generator, x: generator.seed(),
+}
+_SEED_COUNTER = itertools.count(1000)
+
+
+def _drawn_past_2_from_its_own(seeding):
+    """A function that draws only where an entry exceeds 2, from a generator
+    it makes then, seeded by ``seeding``: neither trial run draws."""
+
+    def drawn(x):
+        if not bool(x.max() > 2):
+            return torch.sin(x)
+        generator = torch.Generator(device=x.device)
+        seeding(generator, x)
+        return torch.sin(x * (torch.rand(x.shape, generator=generator, device=x.device) > 0.5))
+
+    return drawn
+
+
+class _DrawsPast2FromItsOwn(torch.nn.Module):
+    """``_drawn_past_2_from_its_own`` seeded from entropy, with the generator
+    made in a method its forward calls."""
+
+    def forward(self, x):
+        if not bool(x.max() > 2):
+            return torch.sin(x)
+        return torch.sin(x * self._mask(x))
+
+    def _mask(self, x):
+        generator = torch.Generator(device=x.device)
+        generator.seed()
+        return torch.rand(x.shape, generator=generator, device=x.device) > 0.5
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("how", list(_REFUSED_HOW))
+@pytest.mark.parametrize("seeding", [*_SEEDED_OTHERWISE, "module"])
+def test_a_draw_from_a_generator_the_function_makes_and_seeds_otherwise_each_run_is_refused(seeding, how, mode):
+    # NOTE [generators a function makes]: no generator to watch existed
+    # before the call, so the derivative drew a second mask and was
+    # differentiated through it without a word.
+    if seeding == "module":
+        apply, params = t2j_ad.jaxify_module(_DrawsPast2FromItsOwn(), compile=mode)
+        f = functools.partial(apply, params)
+    else:
+        f = t2j_ad.jaxify(_drawn_past_2_from_its_own(_SEEDED_OTHERWISE[seeding]), compile=mode)
+    x = jnp.linspace(1.0, 6.0, 8)
+    refusal = r"drew random numbers from a torch\.Generator it makes itself, seeded otherwise from run to run"
+    fix = r"or seed it the same way in every run \(torch\.Generator\(\)\.manual_seed\(0\)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # graph mode runs such a function eagerly, announced
+        torch.manual_seed(0)
+        with pytest.raises((t2j_ad.TorchCallError, jax.errors.JaxRuntimeError), match=f"(?s){refusal}.*{fix}"):
+            jax.block_until_ready(_REFUSED_HOW[how](f, x))
+        after = torch.get_rng_state()
+        small = jax.grad(lambda x: (f(x) ** 2).sum())(x / 4)  # draws nothing: differentiated as before
+    expected_small = torch.func.grad(lambda x: (torch.sin(x) ** 2).sum())(to_torch(x / 4))
+    assert_tree_allclose(small, to_numpy(expected_small), rtol=1e-5, atol=1e-6)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.get_rng_state())  # PyTorch's generator untouched
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("seeding", list(_SEEDED_ALIKE))
+def test_a_draw_from_a_generator_the_function_makes_and_seeds_alike_each_run_is_differentiated(seeding, mode):
+    # NOTE [generators a function makes]: each run draws the same numbers,
+    # so the derivative is that of the value's draw, as torch.func's.
+    drawn = _drawn_past_2_from_its_own(_SEEDED_ALIKE[seeding])
+    f = t2j_ad.jaxify(drawn, compile=mode)
+    x = jnp.linspace(1.0, 6.0, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # graph mode runs such a function eagerly, announced
+        got = [jax.block_until_ready(how(f, x)) for how in _REFUSED_HOW.values()]
+    tx = to_torch(x)
+    grad, value = torch.func.grad_and_value(lambda x: (drawn(x) ** 2).sum())(tx)
+    expected_jvp = torch.func.jvp(drawn, (tx,), (torch.cos(tx),))
+    out, pull = torch.func.vjp(drawn, tx)
+    expected = [(value, grad), (value, grad), expected_jvp, (out, pull(torch.cos(tx)))]
+    assert_tree_allclose(got, jax.tree_util.tree_map(to_numpy, expected), rtol=1e-5, atol=1e-6)
+
+
+def _seeded_by_pytorch(x):
+    """Seeds a generator of its own from a draw of PyTorch's, which the trial
+    runs see, and draws from it only where an entry exceeds 2."""
+    generator = torch.Generator(device=x.device).manual_seed(int(torch.randint(2**62, (), device=x.device)))
+    if bool(x.max() > 2):
+        x = x * (torch.rand(x.shape, generator=generator, device=x.device) > 0.5)
+    return torch.sin(x)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_generator_the_function_seeds_from_pytorchs_draw_is_differentiated_through_the_values_draw(mode):
+    # NOTE [generators a function makes]: the derivative replays PyTorch's
+    # draw, so it seeds the generator as the value call did; the run that
+    # compares its draws must replay it too, or it is refused.
+    f = t2j_ad.jaxify(_seeded_by_pytorch, compile=mode)
+    x = jnp.linspace(1.0, 6.0, 8)
+    tx = to_torch(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # graph mode runs such a function eagerly, announced
+        for how, reference in [
+            ("value_and_grad", lambda: torch.func.grad_and_value(lambda x: (_seeded_by_pytorch(x) ** 2).sum())(tx)[::-1]),
+            ("jvp", lambda: torch.func.jvp(_seeded_by_pytorch, (tx,), (torch.cos(tx),))),
+        ]:
+            got, after = _seeded_run(lambda: _REFUSED_HOW[how](f, x))
+            expected, expected_after = _seeded_run(reference)
+            assert_tree_allclose(got, jax.tree_util.tree_map(to_numpy, expected), rtol=1e-5, atol=1e-6)
+            assert torch.equal(after, expected_after)
+
+
+def test_a_function_that_names_torch_generator_and_draws_nothing_keeps_its_graph():
+    # NOTE [generators a function makes]: its derivative calls run under a
+    # mode that notes draws, around the trace and the graph alike.
+    def scaled(x, generator=None):
+        if isinstance(generator, torch.Generator):
+            x = x + torch.rand(x.shape, generator=generator, device=x.device)
+        return (torch.sin(x) * x).sum()
+
+    f = t2j_ad.jaxify(scaled, compile="graph")
+    x = jnp.linspace(1.0, 6.0, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        got = [jax.block_until_ready(jax.grad(f)(x)) for _ in range(2)]
+    expected = torch.func.grad(scaled)(to_torch(x))
+    assert_tree_allclose(got, [to_numpy(expected)] * 2, rtol=1e-5, atol=1e-6)
 
 
 def test_a_draw_on_another_thread_during_a_derivative_call_is_not_refused():
