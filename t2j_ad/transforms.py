@@ -88,6 +88,8 @@ def _make_vjp(t: Vjp, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], ba
     wrt_avals = [ins[i] for i in t.wrt]
     # The function's own output names where this reverse pass is the first transform.
     out_names = getattr(base, "out_names", None) if len(prefix) == 1 else None
+    # Reverse mode over a reverse pass (NOTE [a reverse pass differentiated again] in rules/fallbacks.py).
+    over_reverse = any(isinstance(p, Vjp) for p in prefix[:-1])
     # As the runner's value calls: on a CPU-only PyTorch the only other
     # device is meta, which the value call refuses first.
     other_devices = torch.cuda.is_available()
@@ -113,7 +115,7 @@ def _make_vjp(t: Vjp, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], ba
                     raise RuntimeError(on_another_device(base.name, name, o.device, c.device))
             return tuple(o if o.dtype == c.dtype else o.to(c.dtype) for o, c in zip(outs, cotangents))
 
-        grads = reverse_mode(matched, wrt_primals, cotangents, base=base, key=prefix)
+        grads = reverse_mode(matched, wrt_primals, cotangents, base=base, key=prefix, over_reverse=over_reverse)
         return _conj_where(_dense(grads), wrt_avals)
 
     return vjp_fn

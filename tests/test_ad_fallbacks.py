@@ -595,6 +595,140 @@ def test_forward_mode_through_a_differentiable_backward_with_zero_gradients_is_r
         assert tangents[1].dtype == jax.dtypes.float0
 
 
+# ------------------------------ reverse over reverse through such a backward
+# NOTE [a reverse pass differentiated again] in t2j_ad/rules/fallbacks.py.
+# jax.jacrev(jax.grad(f)) differentiates the reverse pass through each
+# Function's backward as it computed its result: one that drops its
+# gradient lost the part of the second derivative through it, silently.
+
+X_BATCH = jnp.stack([X, X / 2 + 0.1])
+
+REVERSE_OVER_REVERSE = {
+    "jacrev(grad)": lambda loss: jax.jacrev(jax.grad(loss))(X),
+    "grad(grad @ v)": lambda loss: jax.grad(lambda x: jax.grad(loss)(x) @ V)(X),
+    "vjp(vjp)": lambda loss: jax.vjp(lambda x: jax.vjp(loss, x)[1](jnp.float32(1.0))[0], X)[1](V)[0],
+    "vmap(jacrev(grad))": lambda loss: jax.vmap(jax.jacrev(jax.grad(loss)))(X_BATCH),
+    "jit(jacrev(grad))": lambda loss: jax.jit(jax.jacrev(jax.grad(loss)))(X),
+}
+
+
+class DetachedGradientSinWithJvp(DetachedGradientSin):
+    """DetachedGradientSin with a jvp staticmethod, which reverse over
+    reverse never runs: its backward is still differentiated."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def jvp(ctx, x_t):
+        (x,) = ctx.saved_tensors
+        return torch.cos(x) * x_t
+
+
+DROPPING_BACKWARDS_IN_REVERSE = {**DROPPING_BACKWARDS, DetachedGradientSinWithJvp: jnp.sin}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("transform", list(REVERSE_OVER_REVERSE))
+@pytest.mark.parametrize("function", list(DROPPING_BACKWARDS_IN_REVERSE), ids=lambda c: c.__name__)
+def test_reverse_over_reverse_through_a_backward_that_drops_its_gradient_is_refused_not_wrong(
+    function, transform, mode
+):
+    # (sin(x)**2).sum(): the gradient 2 sin(x) cos(x) reaches sin's backward
+    # as 2 sin(x); the Hessian lost the 2 cos(x)**2 that goes through it.
+    loss = t2j_ad.jaxify(lambda x: (function.apply(x) ** 2).sum(), compile=mode)
+    reference = DROPPING_BACKWARDS_IN_REVERSE[function]
+    reference_loss = lambda x: (reference(x) ** 2).sum()  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # the fallbacks, announced
+        # First order needs no derivative of the backward: right, eagerly and batched.
+        assert_tree_allclose(jax.grad(loss)(X), jax.grad(reference_loss)(X), rtol=1e-5)
+        assert_tree_allclose(jax.vmap(jax.grad(loss))(X_BATCH), jax.vmap(jax.grad(reference_loss))(X_BATCH), rtol=1e-5)
+        refusal = (
+            f"reverse mode over the reverse pass of .* backward of {function.__name__}, "
+            "but that backward is not differentiable in its incoming gradient"
+        )
+        with pytest.raises(Exception, match=refusal) as refused:
+            jax.block_until_ready(REVERSE_OVER_REVERSE[transform](loss))
+    assert "with differentiable torch ops on the incoming gradient" in str(refused.value)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize(
+    "function", [OnceDifferentiableCube, SetupContextOnceDifferentiableCube], ids=lambda c: c.__name__
+)
+def test_reverse_over_reverse_through_a_once_differentiable_backward_is_refused_not_wrong(function, mode):
+    # x**3 summed: the gradient reaching the backward is a constant, which
+    # no autograd graph connects to x, but the backward reads x under
+    # no_grad: the Hessian came out zero.
+    loss = t2j_ad.jaxify(lambda x: function.apply(x).sum(), compile=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        assert_tree_allclose(jax.grad(loss)(X), jax.grad(lambda x: (x**3).sum())(X), rtol=1e-5)
+        refusal = f"backward of {function.__name__}, but that backward is marked @once_differentiable"
+        for transform in ("jacrev(grad)", "grad(grad @ v)"):
+            with pytest.raises(Exception, match=refusal) as refused:
+                jax.block_until_ready(REVERSE_OVER_REVERSE[transform](loss))
+            assert "drop @once_differentiable if the backward is differentiable" in str(refused.value)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_the_gradient_in_the_cotangent_through_a_backward_that_drops_it_is_refused_not_zero(mode):
+    # jax.vjp differentiated in its cotangent: linear, through the backward alone.
+    f = t2j_ad.jaxify(lambda x: DetachedGradientSin.apply(x) ** 2, compile=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        with pytest.raises(Exception, match="backward of DetachedGradientSin, but that backward is not differentiable"):
+            jax.block_until_ready(jax.grad(lambda c: jax.vjp(f, X)[1](c)[0] @ V)(V))
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize(
+    "function", [NumpyBackwardSin, DetachedGradientSin, SetupContextOnceDifferentiableCube], ids=lambda c: c.__name__
+)
+def test_reverse_over_reverse_that_loses_nothing_through_such_a_backward_is_right(function, mode):
+    # jax.jacrev in w of jax.grad in x: the gradient reaching the backward
+    # depends on x alone, which the outer pass does not differentiate.
+    reference = {
+        NumpyBackwardSin: jnp.sin,
+        DetachedGradientSin: jnp.sin,
+        SetupContextOnceDifferentiableCube: lambda x: x**3,
+    }
+    f = t2j_ad.jaxify(lambda x, w: (function.apply(x) ** 2).sum() + (w * x**2).sum(), compile=mode)
+    expected = lambda x, w: (reference[function](x) ** 2).sum() + (w * x**2).sum()  # noqa: E731
+    w = V * 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        assert_tree_allclose(
+            jax.jacrev(lambda w: jax.grad(f)(X, w))(w), jax.jacrev(lambda w: jax.grad(expected)(X, w))(w), rtol=1e-5
+        )
+        if function is DetachedGradientSin:
+            # The gradient reaching the backward is a constant, and its part
+            # through x is computed in torch ops: right.
+            g = t2j_ad.jaxify(lambda x: function.apply(x).sum(), compile=mode)
+            assert_tree_allclose(jax.jacrev(jax.grad(g))(X), jax.hessian(lambda x: jnp.sin(x).sum())(X), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_reverse_over_reverse_through_a_differentiable_backward_with_zero_gradients_is_right(mode, x64):
+    # A backward giving None for an input, an integer output, a gradient cut
+    # by round: nothing is dropped, nothing is refused.
+    f = t2j_ad.jaxify(sin_with_zero_gradients, compile=mode)
+    x, scale = jnp.array([0.3, -1.2, 2.0]), jnp.array(1.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        for out in (0, 2):
+            for argnums in (0, 1, (0, 1)):
+                loss = lambda g: lambda x, s: (g(x, s)[out] ** 2).sum() * s  # noqa: E731
+                assert_tree_allclose(
+                    jax.jacrev(jax.grad(loss(f), argnums), argnums)(x, scale),
+                    jax.jacrev(jax.grad(loss(sin_with_zero_gradients_reference), argnums), argnums)(x, scale),
+                    rtol=1e-12,
+                )
+
+
 # ------------------------------------------------------- NumpySort/NumpyTake
 # From "Extending torch.func with autograd.Function", Example 1 with the vmap
 # staticmethods of "Defining the vmap staticmethod". (The guide's second

@@ -10,7 +10,8 @@ NOTE [fallbacks]
   and works inside ``torch.vmap`` when the Function has a vmap rule.
   It differentiates the Function's backward in its incoming gradient, so a
   backward not differentiable there is refused, on every call (NOTE [a
-  backward that drops its cotangent]).
+  backward that drops its cotangent]); so is reverse mode over a reverse
+  pass through it (NOTE [a reverse pass differentiated again]).
 - an old-style ``autograd.Function`` (``forward(ctx, ...)``, no
   ``setup_context``) refuses every transform. Reverse mode then uses
   ``torch.autograd.grad(..., create_graph=True)``, so it can be differentiated
@@ -291,8 +292,35 @@ def reverse_mode(
     *,
     base: Any,
     key: Any,
+    over_reverse: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """Cotangents of ``primals``: ``torch.func.vjp`` (NOTE [functorch levels]), else ``autograd.grad``."""
+    """Cotangents of ``primals``: ``torch.func.vjp`` (NOTE [functorch levels]), else ``autograd.grad``.
+    ``over_reverse``: ``fn`` holds a reverse pass (a gradient of a gradient), whose backwards are
+    watched while this pass differentiates them (NOTE [a reverse pass differentiated again])."""
+    differentiated = _inputs_differentiated_now()
+    if over_reverse:
+        fn = _differentiating(fn)
+    if not differentiated:
+        return _reverse_pass(fn, primals, cotangents, base=base, key=key)
+    dropped: list[type] = []  # Functions whose backward dropped a cotangent an outer pass differentiates
+    reaching = _ReachingInputs(differentiated)
+    try:
+        grads = _reverse_pass(_watching_backwards(fn, dropped, reaching), primals, cotangents, base=base, key=key)
+    finally:
+        reaching.end()
+    _refuse_dropped_cotangent(base, dropped, second_derivative=_REVERSE_OVER_REVERSE)
+    return grads
+
+
+def _reverse_pass(
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+    primals: Sequence[torch.Tensor],
+    cotangents: Sequence[torch.Tensor],
+    *,
+    base: Any,
+    key: Any,
+) -> tuple[torch.Tensor, ...]:
+    """``reverse_mode`` without the watch."""
     decided = decisions(base)
     if _ONCE_DIFFERENTIABLE_SEEN not in base.__dict__:
         fn = _noting_once_differentiable(fn, base.__dict__)
@@ -361,6 +389,63 @@ def _graph_nodes(tensors: Iterable[Any]) -> Iterator[Any]:
         nodes.extend(child for child, _ in node.next_functions)
 
 
+# NOTE [a reverse pass differentiated again]
+# Reverse mode over a reverse pass (``jax.jacrev(jax.grad(f))``, the
+# gradient of ``jax.grad(f)(x) @ v``, ``jax.vjp`` of ``jax.vjp``, batched
+# or not: a TorchFn ``f + Vjp + ... + Vjp``) differentiates the inner
+# reverse pass with autograd, through each autograd.Function's backward as
+# that backward computed its result. A backward that leaves autograd on its
+# way from its incoming gradient ``g`` to its result (NOTE [a backward that
+# drops its cotangent]) hides the part of the second derivative that goes
+# through ``g``, which depends on the outer pass's inputs (``2 sin(x)`` for
+# ``sin(x)**2``): the second derivative came out wrong, with no error, as
+# PyTorch's own ``torch.autograd.functional.hessian`` does. So a reverse
+# pass over a reverse pass (``over_reverse``) notes, per thread, the inputs
+# it differentiates while its function runs, and every reverse pass run
+# inside it is watched with the double-vjp trick's hooks and refused, naming
+# the Function, when one of its backwards dropped a cotangent. What counts
+# as connected is a cotangent that reaches those inputs in the autograd graph
+# (at any torch.func level), not one that requires grad: the inner pass takes
+# its own gradient with ``create_graph=True``, so every cotangent that
+# depends on its own inputs requires grad, and one that depends on no input
+# of the outer pass loses nothing (``jax.jacrev`` in ``w`` of ``jax.grad`` in
+# ``x``, the cotangent a function of ``x`` alone). A cotangent that reaches
+# no differentiated input at all (``f(x).sum()``: a constant) is not looked
+# at, so a backward computed in NumPy or under ``torch.no_grad()`` that also
+# drops its dependence on the saved input (``cos(x)``) is not seen there: its
+# result, requiring no grad, looks like that of a backward whose result is
+# truly constant in ``x`` (``g * (x > 0)``). ``@once_differentiable`` says so
+# itself, and such a backward whose node saved a tensor that reaches a
+# differentiated input is refused too. Each node's answer is remembered for
+# the rest of the pass (``_ReachingInputs``), so a chain of Functions walks
+# its graph once; first-order reverse mode and forward over reverse (the
+# double-vjp trick's own watch) pay nothing for it.
+
+# The inputs that reverse passes running over a reverse pass differentiate,
+# per thread (NOTE [a reverse pass differentiated again]).
+_differentiated = threading.local()
+
+
+def _inputs_differentiated_now() -> tuple[torch.Tensor, ...]:
+    return getattr(_differentiated, "inputs", ())
+
+
+def _differentiating(fn: Callable[..., tuple[torch.Tensor, ...]]) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """``fn``, noting while it runs the inputs its caller differentiates:
+    the reverse passes it runs are watched (NOTE [a reverse pass
+    differentiated again])."""
+
+    def differentiating(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outer = _inputs_differentiated_now()
+        _differentiated.inputs = outer + tuple(x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad)
+        try:
+            return fn(*xs)
+        finally:
+            _differentiated.inputs = outer
+
+    return differentiating
+
+
 # NOTE [a backward that drops its cotangent]
 # The double-vjp trick (NOTE [fallbacks]) differentiates the reverse pass
 # ``u -> J^T u`` with respect to its cotangent ``u``; an autograd.Function's
@@ -394,15 +479,20 @@ def _graph_nodes(tensors: Iterable[Any]) -> Iterator[Any]:
 # fresh constant (``torch.zeros_like(g)``) for a result that is truly zero
 # is refused too; return None for it instead. The walk costs one pass over
 # the call's forward graph and, per custom node, a search of its backward's
-# graph that stops at the first cotangent it reaches.
+# graph that stops at the first cotangent it reaches. Reverse mode over a
+# reverse pass differentiates the same backwards, and the same hooks watch
+# them there (NOTE [a reverse pass differentiated again]).
 
 
 def _watching_backwards(
-    fn: Callable[..., tuple[torch.Tensor, ...]], dropped: list[type]
+    fn: Callable[..., tuple[torch.Tensor, ...]], dropped: list[type], reaching: _ReachingInputs | None = None
 ) -> Callable[..., tuple[torch.Tensor, ...]]:
     """``fn``, with a hook on every autograd.Function node behind its
     outputs that appends to ``dropped`` the Function whose backward
-    dropped its cotangent (NOTE [a backward that drops its cotangent])."""
+    dropped its cotangent (NOTE [a backward that drops its cotangent]);
+    with ``reaching``, a cotangent counts only where it reaches the inputs
+    an outer reverse pass differentiates (NOTE [a reverse pass
+    differentiated again])."""
 
     def watching(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         dropped.clear()  # a retry (torch.autograd.grad after torch.func refused) starts afresh
@@ -410,30 +500,57 @@ def _watching_backwards(
         for node in _graph_nodes(outs if isinstance(outs, (tuple, list)) else (outs,)):
             function = functorch_levels.user_function(getattr(node, "_forward_cls", None))
             if function is not None:
-                node.register_hook(_dropped_cotangent_hook(function, dropped))
+                # Looked at now, not in the hook: a hook holding its node would keep the graph alive.
+                reads = reaching is not None and _once_differentiable_reads(node, function, reaching)
+                node.register_hook(_dropped_cotangent_hook(function, dropped, reaching, reads))
         return outs
 
     return watching
 
 
-def _dropped_cotangent_hook(function: type, dropped: list[type]) -> Callable[..., None]:
+def _dropped_cotangent_hook(
+    function: type, dropped: list[type], reaching: _ReachingInputs | None, once_differentiable_reads: bool
+) -> Callable[..., None]:
     def hook(results: Sequence[torch.Tensor | None], cotangents: Sequence[torch.Tensor | None]) -> None:
-        if _backward_dropped_cotangent(results, cotangents):
+        if reaching is not None and reaching.ended:
+            return
+        if _backward_dropped_cotangent(results, cotangents, reaching, once_differentiable_reads):
             dropped.append(function)
 
     return hook
 
 
+def _once_differentiable_reads(node: Any, function: type, reaching: _ReachingInputs) -> bool:
+    """Whether ``function``'s backward is ``@once_differentiable`` and its
+    node saved a tensor that reaches the inputs an outer reverse pass
+    differentiates: its result depends on them outside autograd (NOTE [a
+    reverse pass differentiated again])."""
+    if getattr(getattr(function, "backward", None), "__code__", None) is not _ONCE_DIFFERENTIABLE_CODE:
+        return False
+    return any(reaching(t) for t in node.saved_tensors if isinstance(t, torch.Tensor))
+
+
 def _backward_dropped_cotangent(
-    results: Sequence[torch.Tensor | None], cotangents: Sequence[torch.Tensor | None]
+    results: Sequence[torch.Tensor | None],
+    cotangents: Sequence[torch.Tensor | None],
+    reaching: _ReachingInputs | None = None,
+    once_differentiable_reads: bool = False,
 ) -> bool:
     """Whether a backward given ``cotangents`` returned ``results`` none of
     which depends on a cotangent that requires grad (NOTE [a backward that
-    drops its cotangent])."""
-    given = [g for g in cotangents if isinstance(g, torch.Tensor)]
-    connected = [g for g in given if g.requires_grad]
+    drops its cotangent]); with ``reaching``, on a cotangent that reaches
+    the inputs an outer reverse pass differentiates, and any float result
+    of a ``@once_differentiable`` backward that reads them
+    (``once_differentiable_reads``: NOTE [a reverse pass differentiated
+    again])."""
     floats = [r for r in results if isinstance(r, torch.Tensor) and (r.is_floating_point() or r.is_complex())]
-    if not connected or not floats:
+    if not floats:
+        return False
+    if once_differentiable_reads:
+        return True
+    given = [g for g in cotangents if isinstance(g, torch.Tensor)]
+    connected = [g for g in given if g.requires_grad and (reaching is None or reaching(g))]
+    if not connected:
         return False
     if len(connected) == len(given):  # each result must reach one (NOTE [a backward that drops its cotangent])
         return not all(_reaches([r], connected) for r in floats)
@@ -457,13 +574,78 @@ def _reaches(tensors: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -
     )
 
 
-def _refuse_dropped_cotangent(base: Any, dropped: Sequence[type]) -> None:
+_FORWARD_OVER_REVERSE = "forward"
+_REVERSE_OVER_REVERSE = "reverse"
+
+
+class _ReachingInputs:
+    """Whether a tensor's autograd graph, at any ``torch.func`` level, holds
+    one of ``inputs`` (as ``_reaches``), each node's answer remembered for
+    the rest of one reverse pass: the cotangents of a chain of Functions
+    share their graph below, walked once (NOTE [a reverse pass
+    differentiated again])."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor]):
+        layers = [layer for t in inputs for layer in functorch_levels.wrapped_layers(t)]
+        self._nodes = {layer.grad_fn for layer in layers if layer.grad_fn is not None}
+        self._leaves = {id(layer) for layer in layers if layer.grad_fn is None}
+        self._known: dict[Any, bool] = {}
+        self.ended = False
+
+    def __call__(self, tensor: torch.Tensor) -> bool:
+        layers = list(functorch_levels.wrapped_layers(tensor))
+        if any(id(layer) in self._leaves for layer in layers):
+            return True
+        return any(self._node_reaches(layer.grad_fn) for layer in layers if layer.grad_fn is not None)
+
+    def end(self) -> None:
+        """End the pass: drop the remembered nodes (hooks on the graph hold
+        this object, and a cycle through autograd's C++ nodes is never
+        collected) and stop the hooks, which an outer ``torch.autograd.grad``
+        over the same graph would run again."""
+        self.ended = True
+        self._known.clear()
+
+    def _node_reaches(self, root: Any) -> bool:
+        known = self._known
+        stack = [root]
+        while stack:  # depth first, iterative: a graph can be deeper than Python's recursion limit
+            node = stack[-1]
+            if node in known:
+                stack.pop()
+                continue
+            if node in self._nodes or id(getattr(node, "variable", None)) in self._leaves:
+                known[node] = True
+                stack.pop()
+                continue
+            children = [child for child, _ in node.next_functions if child is not None]
+            if any(known.get(child) for child in children):
+                known[node] = True
+                stack.pop()
+                continue
+            pending = [child for child in children if child not in known]
+            if pending:
+                stack.extend(pending)
+                continue
+            known[node] = False
+            stack.pop()
+        return known[root]
+
+
+def _refuse_dropped_cotangent(
+    base: Any, dropped: Sequence[type], second_derivative: str = _FORWARD_OVER_REVERSE
+) -> None:
     """Raise if this call's reverse pass ran a backward that dropped its
-    cotangent: forward mode by the double-vjp trick would be zero there."""
+    cotangent: forward mode by the double-vjp trick would be zero there;
+    reverse mode over it (``second_derivative=_REVERSE_OVER_REVERSE``) would
+    lose the part of the second derivative through that cotangent."""
     if not dropped:
         return
     function = dropped[0]
-    if getattr(getattr(function, "backward", None), "__code__", None) is _ONCE_DIFFERENTIABLE_CODE:
+    once_differentiable = getattr(getattr(function, "backward", None), "__code__", None) is _ONCE_DIFFERENTIABLE_CODE
+    if second_derivative == _REVERSE_OVER_REVERSE:
+        raise _reverse_over_reverse_error(base, function.__name__, once_differentiable)
+    if once_differentiable:
         raise _once_differentiable_error(base, function.__name__)
     raise RuntimeError(
         f"t2j_ad: forward mode of {base.name!r} needs the derivative of its reverse pass (a Hessian's "
@@ -474,6 +656,27 @@ def _refuse_dropped_cotangent(base: Any, dropped: Sequence[type]) -> None:
         f"staticmethod (with setup_context), compute its backward with differentiable torch ops on the "
         f"incoming gradient, or use reverse mode (jax.jacrev, jax.grad) instead of jax.jvp / jax.jacfwd. "
         f"(A backward whose result for an input is truly zero should return None for it.)"
+    )
+
+
+def _reverse_over_reverse_error(base: Any, function: str, once_differentiable: bool) -> RuntimeError:
+    why = (
+        "is marked @once_differentiable and cannot be differentiated again"
+        if once_differentiable
+        else "is not differentiable in its incoming gradient: its result does not depend on it in PyTorch's "
+        "autograd graph (computed in NumPy, from grad.detach(), or under torch.no_grad())"
+    )
+    fix = (
+        "drop @once_differentiable if the backward is differentiable, or compute it"
+        if once_differentiable
+        else "compute it"
+    )
+    return RuntimeError(
+        f"t2j_ad: reverse mode over the reverse pass of {base.name!r} (jax.jacrev(jax.grad(f)), jax.grad of a "
+        f"gradient, jax.vjp of jax.vjp) differentiates the backward of {function}, but that backward {why}, so "
+        f"the second derivative would lose the part that goes through it. In {function}'s backward, {fix} with "
+        f"differentiable torch ops on the incoming gradient and the saved tensors; or take first derivatives "
+        f"alone through it. (A backward whose result for an input is truly zero should return None for it.)"
     )
 
 
