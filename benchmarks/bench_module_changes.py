@@ -29,7 +29,7 @@ Three measurements, each timing its contenders round-robin in one run:
    loss))`` of ``jaxify_module``'s apply, eager and graph, against
    ``torch.func.grad_and_value`` of ``functional_call`` on the same
    schedule; ``fixed rate`` is the same step at 0.5. A graph holds its
-   rate, so each new rate traced again, until NOTE [a rate annealed every
+   rate, so each new rate traced again, until NOTE [a setting changed every
    step] (graph_mode.py) ran new rates eagerly after three in a row (and
    traces a rate again once it stays for as long as its trace takes).
 

@@ -533,9 +533,9 @@ class JaxifiedFunction:
         setting of the training flags of the modules they run),
         ``eager_fallbacks`` (TorchFns that run eagerly: their trace failed,
         or they replay random draws once per example), ``eager_for_rates``
-        (how often a TorchFn went on eagerly for dropout rates that keep
-        changing, rather than trace each: NOTE [a rate annealed every step]
-        in graph_mode.py), ``trace_seconds`` and ``compile_seconds`` (inductor) spent;
+        and ``eager_for_hooks`` (how often a TorchFn went on eagerly for
+        dropout rates, or module hooks, that keep changing, rather than
+        trace each: NOTE [a setting changed every step] in graph_mode.py), ``trace_seconds`` and ``compile_seconds`` (inductor) spent;
         the per-device functions of a sharded ``jax.jit`` included, and those
         made for the structures its modules had before (NOTE [a structure
         seen before] in module_structure.py). ``clear_cache`` starts them

@@ -490,7 +490,7 @@ class Artifact:
         self.layouts: HeldLayouts | None = None  # NOTE [the layouts a graph assumed]
         # Whether it runs eagerly for the call that made it alone (while its
         # modules keep their modes), neither cached nor announced (NOTE [a
-        # hook that removed itself in a trace], NOTE [a rate annealed every
+        # hook that removed itself in a trace], NOTE [a setting changed every
         # step]).
         self.once = False
 
@@ -506,31 +506,32 @@ class Artifact:
         return impl
 
 
-class EagerForRates(Artifact):
-    """Eager, while the modules ``modes`` recorded keep all but their rates
-    of dropout, at rates other than those of the graphs kept for them
-    (``kept_rates``) that have not settled (``seen``): each new rate runs
-    eagerly without a lookup (NOTE [a rate annealed every step])."""
+class EagerForSettings(Artifact):
+    """Eager, while the modules ``modes`` recorded keep all but their
+    setting (rates of dropout, hooks), at settings other than those of the
+    graphs kept for them (``kept_settings``) that have not settled
+    (``seen``): each new setting runs eagerly without a lookup (NOTE [a
+    setting changed every step])."""
 
-    __slots__ = ("kept_rates", "seen")
+    __slots__ = ("kept_settings", "seen")
 
-    def __init__(self, modes: ModuleModes, kept_rates: list[tuple[Any, ...]], seen: RatesSeen) -> None:
-        super().__init__(None, "its dropout rates keep changing")
+    def __init__(self, modes: ModuleModes, kept_settings: list[tuple[Any, ...]], seen: SettingsSeen) -> None:
+        super().__init__(None, "its dropout rates or hooks keep changing")
         self.modes = modes
-        self.kept_rates = kept_rates
+        self.kept_settings = kept_settings
         self.seen = seen
         self.once = True
 
     def holds(self) -> bool:
-        if not self.modes.hold_but_rates():
+        if not self.modes.hold_but_setting():
             return False
-        rates = self.modes.rates_now()
-        return rates not in self.kept_rates and self.seen.run_eagerly(rates)
+        setting = self.modes.setting_now()
+        return setting not in self.kept_settings and self.seen.run_eagerly(setting)
 
     def eager_call(self, impl: Flat) -> Flat:
         """``impl``, each run timed into ``seen``'s eager seconds: its own
-        time alone, not the caller's work between calls (NOTE [a rate
-        annealed every step])."""
+        time alone, not the caller's work between calls (NOTE [a setting
+        changed every step])."""
         seen = self.seen
 
         def timed(*inputs: torch.Tensor) -> Any:
@@ -749,15 +750,15 @@ def artifact_for(
             )
             cache[(*where, "layouts keep changing")] = artifact
             return artifact, None
-        rated = _kept_but_for_rates(cache, where)
-        seen = _rates_seen(base, where, rated)
-        if not seen.trace_new_setting(rated[0].modes.rates_now() if rated else None):
-            return _eager_for_rates(base, rated, seen), None  # NOTE [a rate annealed every step]
+        kept = _kept_but_for_setting(cache, where)
+        seen = _settings_seen(base, where, kept)
+        if not seen.trace_new_setting(kept[0].modes.setting_now() if kept else None):
+            return _eager_for_settings(base, kept, seen), None  # NOTE [a setting changed every step]
         with recording_module_modes(getattr(base, "referenced_modules", ())) as recorder:
             artifact, first = _build_artifact(mode, impl, base, inputs, grad_enabled, out_specs)
         artifact.modes = recorder.modes()
         if artifact.run is not None:
-            seen.trace_cost = _cost_of(artifact)  # NOTE [a rate annealed every step]
+            seen.trace_cost = _cost_of(artifact)  # NOTE [a setting changed every step]
         if artifact.once:  # NOTE [a hook that removed itself in a trace]
             return artifact, first
         _keep(base, cache, where, artifact, moved)
@@ -766,39 +767,64 @@ def artifact_for(
     return artifact, first
 
 
-# NOTE [a rate annealed every step]
-# A dropout's rate is part of its modules' mode (NOTE [a dropout's rate is
-# part of its mode] in module_modes.py), and a graph holds it as constants
-# of its ops (``bernoulli_(1 - p)``, ``div_(1 - p)``), so a rate annealed
-# every step (``m.drop.p = 0.5 * 0.99 ** step``) traced the value call and
-# its derivative again on every step: ``jax.jit(jax.value_and_grad(loss))``
-# of an MLP 32-64-10 with dropout took 140-200 ms a step where eager took
-# 1-1.5 ms (benchmarks/bench_module_changes.py, the 2-core CPU machine).
+# NOTE [a setting changed every step]
+# A graph is kept per setting of the modules it ran (NOTE [a graph per
+# training mode] in module_modes.py), and a training loop may change two
+# parts of that setting on every step:
+# - a dropout's rate (NOTE [a dropout's rate is part of its mode] in
+#   module_modes.py), which a graph holds as constants of its ops
+#   (``bernoulli_(1 - p)``, ``div_(1 - p)``): a rate annealed every step
+#   (``m.drop.p = 0.5 * 0.99 ** step``) traced the value call and its
+#   derivative again on every step: ``jax.jit(jax.value_and_grad(loss))``
+#   of an MLP 32-64-10 with dropout took 140-200 ms a step where eager
+#   took 1-1.5 ms (benchmarks/bench_module_changes.py, the 2-core CPU
+#   machine);
+# - its hooks (NOTE [the hooks a graph ran] in module_modes.py), which a
+#   graph holds as ops and constants: a forward hook registered anew on
+#   every step with another number (``h.remove(); h =
+#   m[2].register_forward_hook(lambda mod, a, out, f=1 + 1e-3 * step: out
+#   * f)``) traced both again on every step too: 120 graphs in 60 steps of
+#   an MLP 32-64-4 with dropout, 162-173 ms a step where eager took 5-7 ms
+#   (the fuzzer's repro, the same machine; with what follows, 8 graphs and
+#   5-9 ms a step, eager's own). The same hook registered again is the
+#   same setting and keeps its graph (NOTE [a hook registered again] in
+#   module_structure.py).
 # Taking the rate in as an input of the graph would need each constant a
 # rate became (``1 - p``, ``1 / (1 - p)``, an RNN's or an attention
 # kernel's ``dropout_p``) told apart from equal constants of other ops,
 # and a rate in a tensor draws other masks than PyTorch's float one
-# (``bernoulli_`` from the same seed). So once ``_RETRACES_FOR_RATES`` new
-# settings in a row of one transform stack and device differed from its
-# kept graphs' in their rates alone, a further such setting is not
-# traced: an ``EagerForRates`` runs it eagerly (the masks PyTorch draws
-# from the same seed, as every eager call), neither cached nor announced,
-# and goes on doing so, with no lookup, for each new rate while the
-# modules keep all else. Its kept graphs stay in use: a rate one was
-# traced with takes it back, and a setting that changes more than rates
-# (``model.eval()``) finds or traces its own, as before, and starts the
-# count again. ``compile_stats()["eager_for_rates"]`` counts how often a
-# TorchFn went on eagerly so.
-# A rate that then stays (the end of a schedule, or each plateau of a
-# step decay: ``p = 0.5 * 0.5 ** (step // 100)``) ran eagerly for good at
-# first, at eager speed, until something else about the modules changed.
-# So the rates an ``EagerForRates`` runs are counted too (``RatesSeen``):
-# the same rates run eagerly, with no other new rates run eagerly between,
-# have settled once they ran on ``_EAGER_CALLS_TO_SETTLE`` calls and for as
-# long, all those eager runs together, as a trace of the TorchFn takes
+# (``bernoulli_`` from the same seed); a hook is Python, which a trace
+# runs once. So once ``_RETRACES_FOR_SETTINGS`` new settings in a row of
+# one transform stack and device differed from its kept graphs' in their
+# rates or hooks alone (``ModuleModes.setting``; the modules' flags,
+# forwards and children holding: ``hold_but_setting``), a further such
+# setting is not traced: an ``EagerForSettings`` runs it eagerly (the
+# masks PyTorch draws from the same seed, the hooks as they are, as every
+# eager call), neither cached nor announced, and goes on doing so, with
+# no lookup, for each new setting while the modules keep all else. Its
+# kept graphs stay in use: a setting one was traced with takes it back
+# (a few settings alternating keep their graphs), and a setting that
+# changes more (``model.eval()``, a head swapped) finds or traces its
+# own, as before, and starts the count again.
+# ``compile_stats()["eager_for_rates"]`` and ``["eager_for_hooks"]``
+# count how often a TorchFn went on eagerly so: for new hooks where its
+# hooks were none of its kept graphs', else for new rates.
+# Reading the hooks as what they run (``module_hooks.SameHook``, a few us
+# a hook) is done again only once something was registered or a hook
+# left its place since the last read (``ModuleModes.setting_now``, as
+# NOTE [the hooks a graph ran] compares its structure), so an annealed
+# rate whose hooks stay reads one count and its hooks' places per call.
+# A setting that then stays (the end of a schedule, each plateau of a
+# step decay: ``p = 0.5 * 0.5 ** (step // 100)``, a hook kept from some
+# step on) ran eagerly for good at first, at eager speed, until something
+# else about the modules changed. So the settings an ``EagerForSettings``
+# runs are counted too (``SettingsSeen``): the same setting run eagerly,
+# with no other new setting run eagerly between, has settled once it ran
+# on ``_EAGER_CALLS_TO_SETTLE`` calls and for as long, all those eager
+# runs together, as a trace of the TorchFn takes
 # (``_SETTLE_COST_SECONDS``, None: the trace and compile seconds of its
 # last trace for this transform stack and device, else of its kept graphs
-# of other rates); that call traces them, their graph replayed from then
+# of other settings); that call traces it, its graph replayed from then
 # on. The cost is the ski-rental bound: tracing after 3 calls instead took
 # some 90 ms a trace (a value and its derivative are two) to save 0.3 ms a
 # step of an MLP 32-64-10 under ``jax.jit(jax.value_and_grad)``, so with
@@ -807,67 +833,71 @@ def artifact_for(
 # twice what eager would (its eager runs, then one trace), however short,
 # and a long one (an epoch, the end of a schedule) still gets its graph
 # after a few hundred steps. Each eager run is timed alone
-# (``EagerForRates.eager_call``: ``time.perf_counter`` around the run the
-# runner makes, 0.1 us), not the time between calls, which holds the
+# (``EagerForSettings.eager_call``: ``time.perf_counter`` around the run
+# the runner makes, 0.1 us), not the time between calls, which holds the
 # caller's other work. The settled trace starts the count again, as a
-# setting that changes more than rates does, so an annealing that resumes
-# traces ``_RETRACES_FOR_RATES`` new rates again before it runs eagerly,
+# setting that changes more does, so an annealing that resumes traces
+# ``_RETRACES_FOR_SETTINGS`` new settings again before it runs eagerly,
 # and a step decay traces once per plateau long enough (per TorchFn).
 # Calls are counted as checks: each check a runner makes before a call
 # while it runs eagerly is one (``_Runner`` checks twice under forward
 # AD's lock, which meets the count sooner; the seconds are the runs').
 # Threads calling at once may lose a count or add a run's seconds to the
-# next rates, which moves only when the trace comes.
-_RETRACES_FOR_RATES = 3
+# next setting, which moves only when the trace comes.
+_RETRACES_FOR_SETTINGS = 3
 _EAGER_CALLS_TO_SETTLE = 3
-# The eager seconds a rate that stays runs before its trace (None: its
+# The eager seconds a setting that stays runs before its trace (None: its
 # trace's own; tests set it).
 _SETTLE_COST_SECONDS: float | None = None
 
 
-class RatesSeen:
+class SettingsSeen:
     """What one transform stack and device of a function saw of settings
-    that changed rates of dropout alone (NOTE [a rate annealed every step]):
-    how many such new settings in a row were traced (``traced``), the rates
-    run eagerly last (``eager_rates``), on how many calls (``eager_calls``)
-    and for how long (``eager_seconds``), and the seconds its last trace
-    took (``trace_cost``; 0 before one)."""
+    that changed rates of dropout or hooks alone (NOTE [a setting changed
+    every step]): how many such new settings in a row were traced
+    (``traced``), the setting run eagerly last (``eager_setting``), on how
+    many calls (``eager_calls``) and for how long (``eager_seconds``), and
+    the seconds its last trace took (``trace_cost``; 0 before one)."""
 
-    __slots__ = ("traced", "eager_rates", "eager_calls", "eager_seconds", "trace_cost")
+    __slots__ = ("traced", "eager_setting", "eager_calls", "eager_seconds", "trace_cost")
 
     def __init__(self) -> None:
         self.traced = 0
-        self.eager_rates: tuple[Any, ...] | None = None
+        self.eager_setting: tuple[Any, ...] | None = None
         self.eager_calls = 0
         self.eager_seconds = 0.0
         self.trace_cost = 0.0
 
-    def trace_new_setting(self, rates_alone: tuple[Any, ...] | None) -> bool:
+    def trace_new_setting(self, setting_alone: tuple[Any, ...] | None) -> bool:
         """Whether to trace a new setting of the modules, which changed the
-        kept graphs' rates alone, to ``rates_alone`` (None: it changed more,
-        or no graph was kept), and count it."""
-        if rates_alone is None or self._settled(rates_alone):
-            self.traced, self.eager_rates, self.eager_calls, self.eager_seconds = 0, None, 0, 0.0
+        kept graphs' rates or hooks alone, to ``setting_alone`` (None: it
+        changed more, or no graph was kept), and count it."""
+        if setting_alone is None or self._settled(setting_alone):
+            self.traced, self.eager_setting, self.eager_calls, self.eager_seconds = 0, None, 0, 0.0
             return True
         self.traced += 1
-        return self.traced <= _RETRACES_FOR_RATES
+        return self.traced <= _RETRACES_FOR_SETTINGS
 
-    def run_eagerly(self, rates: tuple[Any, ...]) -> bool:
-        """Count one more eager call at ``rates``; whether it runs eagerly
-        (False: they settled, and the call traces them)."""
-        if rates == self.eager_rates:
+    def run_eagerly(self, setting: tuple[Any, ...]) -> bool:
+        """Count one more eager call at ``setting``; whether it runs eagerly
+        (False: it settled, and the call traces it)."""
+        if setting == self.eager_setting:
             self.eager_calls += 1
         else:
-            self.eager_rates, self.eager_calls, self.eager_seconds = rates, 1, 0.0
-        return not self._settled(rates)
+            self.eager_setting, self.eager_calls, self.eager_seconds = setting, 1, 0.0
+        return not self._settled(setting)
 
     def ran_eagerly_for(self, seconds: float) -> None:
-        """Add one eager run's ``seconds`` to the rates run eagerly last."""
+        """Add one eager run's ``seconds`` to the setting run eagerly last."""
         self.eager_seconds += seconds
 
-    def _settled(self, rates: tuple[Any, ...]) -> bool:
+    def _settled(self, setting: tuple[Any, ...]) -> bool:
         cost = self.trace_cost if _SETTLE_COST_SECONDS is None else _SETTLE_COST_SECONDS
-        return rates == self.eager_rates and self.eager_calls >= _EAGER_CALLS_TO_SETTLE and self.eager_seconds >= cost
+        return (
+            setting == self.eager_setting
+            and self.eager_calls >= _EAGER_CALLS_TO_SETTLE
+            and self.eager_seconds >= cost
+        )
 
 
 def _cost_of(artifact: Artifact) -> float:
@@ -875,40 +905,45 @@ def _cost_of(artifact: Artifact) -> float:
     return artifact.trace_seconds + artifact.compile_seconds
 
 
-def _kept_but_for_rates(cache: dict[Any, Artifact], where: tuple[Any, Any]) -> list[Artifact]:
-    """The artifacts cached for ``where`` (transforms, device) that would
-    hold but for the rates of their dropouts (NOTE [a rate annealed every
-    step])."""
+def _kept_but_for_setting(cache: dict[Any, Artifact], where: tuple[Any, Any]) -> list[Artifact]:
+    """The artifacts cached for ``where`` (transforms, device), of functions
+    that ran modules, that would hold but for the rates of their dropouts
+    and their hooks (NOTE [a setting changed every step])."""
     return [
         artifact
         for key, artifact in list(cache.items())
         if key[:2] == where
-        and artifact.modes.rates()
-        and artifact.modes.hold_but_rates()
+        and len(artifact.modes)
+        and artifact.modes.hold_but_setting()
         and (artifact.layouts is None or artifact.layouts.hold())
     ]
 
 
-def _rates_seen(base: Any, where: tuple[Any, Any], rated: list[Artifact]) -> RatesSeen:
-    """What ``where`` (transforms, device) of ``base`` saw of rates changed
-    alone; before its first trace, the cost of the latest of the graphs
-    ``rated`` kept for other rates (NOTE [a rate annealed every step])."""
-    seen: dict[Any, RatesSeen] = base.__dict__.setdefault("rates_seen", {})
-    found = seen.setdefault(where, RatesSeen())
-    if not found.trace_cost and rated:
-        found.trace_cost = _cost_of(rated[-1])
+def _settings_seen(base: Any, where: tuple[Any, Any], kept: list[Artifact]) -> SettingsSeen:
+    """What ``where`` (transforms, device) of ``base`` saw of settings
+    changed alone; before its first trace, the cost of the latest of the
+    graphs ``kept`` for other settings (NOTE [a setting changed every
+    step])."""
+    seen: dict[Any, SettingsSeen] = base.__dict__.setdefault("settings_seen", {})
+    found = seen.setdefault(where, SettingsSeen())
+    if not found.trace_cost and kept:
+        found.trace_cost = _cost_of(kept[-1])
     return found
 
 
-def _eager_for_rates(base: Any, rated: list[Artifact], seen: RatesSeen) -> Artifact:
-    """An artifact that runs eagerly while the modules ``rated`` ran keep
-    all but their rates, at rates none of ``rated`` was traced with, until
-    they settle (``seen``); neither cached nor announced (NOTE [a rate
-    annealed every step])."""
-    _counted_more(base, eager_for_rates=1)
-    modes = rated[0].modes
-    seen.run_eagerly(modes.rates_now())  # this call's
-    return EagerForRates(modes, [artifact.modes.rates() for artifact in rated], seen)
+def _eager_for_settings(base: Any, kept: list[Artifact], seen: SettingsSeen) -> Artifact:
+    """An artifact that runs eagerly while the modules ``kept`` ran keep
+    all but their setting, at settings none of ``kept`` was traced with,
+    until one settles (``seen``); neither cached nor announced, and counted
+    as an eager run for new hooks where the hooks now are none of
+    ``kept``'s, else for new rates (NOTE [a setting changed every step])."""
+    modes = kept[0].modes
+    settings = [artifact.modes.setting() for artifact in kept]
+    now = modes.setting_now()
+    new_hooks = all(now[1] != setting[1] for setting in settings)
+    _counted_more(base, eager_for="eager_for_hooks" if new_hooks else "eager_for_rates")
+    seen.run_eagerly(now)  # this call's
+    return EagerForSettings(modes, settings, seen)
 
 
 def record_eager(base: Any, transforms: tuple[Any, ...], reason: str) -> None:
@@ -970,22 +1005,29 @@ def artifacts(base: Any) -> list[Artifact]:
 
 # What compile_stats() reports, per function: graphs traced (and run),
 # TorchFns that run eagerly, how often one went on eagerly for new rates of
-# dropout (NOTE [a rate annealed every step]), seconds spent tracing and
-# compiling.
-STATS = ("graphs", "eager_fallbacks", "eager_for_rates", "trace_seconds", "compile_seconds")
+# dropout and for new hooks (NOTE [a setting changed every step]), seconds
+# spent tracing and compiling.
+STATS = ("graphs", "eager_fallbacks", "eager_for_rates", "eager_for_hooks", "trace_seconds", "compile_seconds")
 
 
 def no_stats() -> dict[str, float]:
     """``compile_stats()`` of nothing made."""
-    return {"graphs": 0, "eager_fallbacks": 0, "eager_for_rates": 0, "trace_seconds": 0.0, "compile_seconds": 0.0}
+    return {
+        "graphs": 0,
+        "eager_fallbacks": 0,
+        "eager_for_rates": 0,
+        "eager_for_hooks": 0,
+        "trace_seconds": 0.0,
+        "compile_seconds": 0.0,
+    }
 
 
 def stats_of(base: Any) -> dict[str, float]:
     """``compile_stats()`` of what ``base``'s TorchFns made: the artifacts
     kept, and what ``base`` counted of those no longer kept (``counted``:
     those ``_drop_the_oldest`` dropped, NOTE [how many graphs a function
-    keeps]; how often they went on eagerly for new rates, NOTE [a rate
-    annealed every step])."""
+    keeps]; how often they went on eagerly for new rates or hooks, NOTE [a
+    setting changed every step])."""
     counted = dict(base.__dict__.get("counted") or no_stats())
     for artifact in artifacts(base):
         _count(counted, artifact)
@@ -1041,17 +1083,19 @@ def _drop_the_oldest(base: Any, cache: dict[Any, Artifact], where: tuple[Any, An
         _counted_more(base, dropped=cache.pop(key))
 
 
-def _counted_more(base: Any, dropped: Artifact | None = None, eager_for_rates: int = 0) -> None:
+def _counted_more(base: Any, dropped: Artifact | None = None, eager_for: str | None = None) -> None:
     """Add to ``base``'s ``counted`` (what ``compile_stats()`` counts of what
     its cache does not hold) the artifact ``dropped`` from its cache (NOTE
-    [how many graphs a function keeps]) and ``eager_for_rates`` eager runs
-    for new rates (NOTE [a rate annealed every step]). Called under
+    [how many graphs a function keeps]) and one eager run for a new setting,
+    counted under the ``eager_for`` key (``eager_for_rates`` or
+    ``eager_for_hooks``: NOTE [a setting changed every step]). Called under
     ``base``'s graph lock; replaced whole, as ``stats_of`` reads it without
     the lock."""
     counts = dict(base.__dict__.get("counted") or no_stats())
     if dropped is not None:
         _count(counts, dropped)
-    counts["eager_for_rates"] += eager_for_rates
+    if eager_for is not None:
+        counts[eager_for] += 1
     base.__dict__["counted"] = counts
 
 

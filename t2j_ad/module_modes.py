@@ -42,8 +42,8 @@ whether each dropout draws, which changes only at 0 (and 1), while a
 graph, which holds the rate as a constant, is traced per rate (NOTE [how
 many graphs a function keeps] in graph_mode.py bounds how many are kept),
 for a few rates in a row: after those, new rates run eagerly until one
-stays for as long as its trace would take, which is traced (NOTE [a rate
-annealed every step] in graph_mode.py; ``hold_but_rates``).
+stays for as long as its trace would take, which is traced (NOTE [a
+setting changed every step] in graph_mode.py; ``hold_but_setting``).
 
 NOTE [a forward replaced after a trace]
 A graph holds the ops of the ``forward`` each module ran when it was
@@ -129,6 +129,13 @@ compared, as a registration does, by the one check both use
 keeps the graph (0.74-0.80 ms a step); another hook (other code, or the same
 code closing over another value), or none, does not; a one-shot hook is
 as NOTE [a hook that removed itself in a trace] in graph_mode.py says.
+Another hook registered on every step (``lambda m, a, out, f=1 + 1e-3 *
+step: out * f``, the old one removed) is then a new setting on every
+step, as an annealed dropout rate is: the hooks are the other half of
+the setting a graph is keyed by besides its modules' flags, forwards and
+children (``setting``, ``setting_now``, ``hold_but_setting``), and such a
+setting runs eagerly after a few traced (NOTE [a setting changed every
+step] in graph_mode.py).
 """
 
 from __future__ import annotations
@@ -215,6 +222,7 @@ class ModuleModes:
         "_registered",
         "_hook_places",
         "_structure",
+        "_hooks_read",
     )
 
     def __init__(self, seen: Sequence[tuple[torch.nn.Module, bool, Any]] = ()) -> None:
@@ -246,12 +254,24 @@ class ModuleModes:
         self._registered = registrations()
         self._hook_places = user_hook_places(self.modules)
         self._structure = self._structure_now()
+        # The hooks as ``setting_now`` last read them, with what was
+        # registered then and where they were (NOTE [a setting changed every
+        # step] in graph_mode.py).
+        self._hooks_read = (self._registered, self._hook_places, self._structure[1])
 
     def _structure_now(self) -> tuple[Any, ...]:
         """Every module's children, and its hooks and the global ones as what
         they run (NOTE [the hooks a graph ran])."""
-        children = tuple(dict(getattr(module, "__dict__", {}).get("_modules") or {}) for module in self.modules)
-        return children, tuple(map(user_hooks_seen, (*self.modules, None)))
+        return self._every_child_table(), self._hooks_seen()
+
+    def _every_child_table(self) -> tuple[dict[str, Any], ...]:
+        """A copy of every module's table of children, as it is now."""
+        return tuple(dict(getattr(module, "__dict__", {}).get("_modules") or {}) for module in self.modules)
+
+    def _hooks_seen(self) -> tuple[Any, ...]:
+        """Every module's hooks and the global ones as what they run, as
+        they are now (NOTE [a hook registered again] in module_structure.py)."""
+        return tuple(map(user_hooks_seen, (*self.modules, None)))
 
     def _structure_holds(self) -> bool:
         """Whether the modules hold the children and hooks they held, where
@@ -301,6 +321,23 @@ class ModuleModes:
         """The rates of dropout of the modules recorded, as they are now."""
         return tuple(self._rates_now())
 
+    def setting(self) -> tuple[Any, ...]:
+        """What a graph is keyed by beyond its modules' flags, forwards and
+        children, as recorded: the rates of dropout, and the hooks as what
+        they run (NOTE [a setting changed every step] in graph_mode.py)."""
+        return self.rates(), self._structure[1]
+
+    def setting_now(self) -> tuple[Any, ...]:
+        """``setting`` as it is now; the hooks read again only once
+        something was registered or a hook left its place since they were
+        last read (NOTE [the hooks a graph ran])."""
+        registered = registrations()
+        since, places, hooks = self._hooks_read
+        if not nothing_moved(registered, since, places):
+            hooks = self._hooks_seen()
+            self._hooks_read = (registered, user_hook_places(self.modules), hooks)
+        return self.rates_now(), hooks
+
     def __len__(self) -> int:
         return len(self.modules)
 
@@ -319,10 +356,19 @@ class ModuleModes:
             and self._structure_kept()
         )
 
-    def hold_but_rates(self) -> bool:
-        """Whether all but the rates of dropout hold (NOTE [a rate annealed
-        every step] in graph_mode.py)."""
-        return self._flags_and_forwards_hold() and self._structure_kept()
+    def hold_but_setting(self) -> bool:
+        """Whether all but the ``setting`` holds: each module's flag, its
+        own ``forward`` and its class's, and every module's children, the
+        rates of dropout and the hooks aside (NOTE [a setting changed every
+        step] in graph_mode.py)."""
+        return (
+            self._flags_and_forwards_hold()
+            and self._children_now() == self._children
+            and (
+                nothing_moved(registrations(), self._registered, self._hook_places)
+                or self._every_child_table() == self._structure[0]
+            )
+        )
 
     def _flags_and_forwards_hold(self) -> bool:
         """Whether each module's flag, its own ``forward`` and its class's hold."""

@@ -645,11 +645,11 @@ class _Runner:
             # Eager, announced only once the eager call has worked: a function
             # that fails eagerly too raises its own error, no warning. A graph
             # dropped after its first run hands back that call's results.
-            # Timed while it runs for rates (NOTE [a rate annealed every step] in graph_mode.py).
+            # Timed while it runs for settings (NOTE [a setting changed every step] in graph_mode.py).
             eager = artifact.eager_call(self.impl)
             results = eager(*inputs) if first is None else first
             self.call = eager
-            if not artifact.once:  # NOTE [a hook that removed itself in a trace], NOTE [a rate annealed every step] in graph_mode.py
+            if not artifact.once:  # NOTE [a hook that removed itself in a trace], NOTE [a setting changed every step] in graph_mode.py
                 graph_mode.announce_fallback(self.base, self.name, self.compile, self.transforms, artifact)
             return results
         self.call = artifact.run

@@ -195,12 +195,12 @@ class BaseFn:
         # (the traced graphs: NOTE [graph mode] in graph_mode.py).
         local.built = {}
         local.__dict__.pop("graphs", None)
-        # Its own counts of graphs dropped and of eager runs for rates, not
-        # self's, which compile_stats() would count twice; its own rates seen
-        # (NOTE [how many graphs a function keeps], NOTE [a rate annealed
-        # every step] in graph_mode.py).
+        # Its own counts of graphs dropped and of eager runs for settings,
+        # not self's, which compile_stats() would count twice; its own
+        # settings seen (NOTE [how many graphs a function keeps], NOTE [a
+        # setting changed every step] in graph_mode.py).
         local.__dict__.pop("counted", None)
-        local.__dict__.pop("rates_seen", None)
+        local.__dict__.pop("settings_seen", None)
         local.__dict__.pop("graph_lock", None)
         # Nor do the functions that keep and replay its calls (NOTE
         # [derivatives replay the value's draws] in replayed_calls.py).

@@ -1724,4 +1724,100 @@ def test_dropped_graphs_are_counted_not_kept_one_by_one(x64):
     assert stats["trace_seconds"] > 0
     assert held[1] == held[0], held  # one more stub artifact per drop before
     f.clear_cache()
-    assert f.compile_stats() == {"graphs": 0, "eager_fallbacks": 0, "eager_for_rates": 0, "trace_seconds": 0.0, "compile_seconds": 0.0}
+    assert f.compile_stats() == graph_mode.no_stats() == {
+        "graphs": 0,
+        "eager_fallbacks": 0,
+        "eager_for_rates": 0,
+        "eager_for_hooks": 0,
+        "trace_seconds": 0.0,
+        "compile_seconds": 0.0,
+    }
+
+
+def _hooked_twins() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A module in training mode with a dropout, and a copy of it: the
+    twin PyTorch's own autograd runs."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Dropout(0.3), torch.nn.Linear(5, 2))
+    net = net.double().to(TORCH_DEVICE).train()
+    return net, copy.deepcopy(net)
+
+
+def _step_as_pytorch(step, params, net, twin, hook, x, seed: int) -> None:
+    """One step with ``hook`` registered as a forward hook of ``net[2]``
+    (and of ``twin[2]``) for it alone: ``step(params, x)`` from ``seed``
+    equals ``loss.backward()`` on the twin from ``seed`` (the same mask),
+    its value and every parameter's gradient."""
+    handles = [net[2].register_forward_hook(hook), twin[2].register_forward_hook(hook)]
+    try:
+        torch.manual_seed(seed)
+        value, grads = jax.block_until_ready(step(params, x))
+        twin.zero_grad()
+        torch.manual_seed(seed)
+        loss = (twin(to_torch(x)) ** 2).sum()
+        loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    expected = {name: to_numpy(p.grad) for name, p in twin.named_parameters()}
+    np.testing.assert_allclose(value, loss.item(), rtol=1e-12)
+    assert_tree_allclose(grads, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_a_hook_made_anew_every_step_does_not_trace_every_step(x64, traces, monkeypatch):
+    """A forward hook registered anew on every step with another number
+    (``lambda m, a, out, f=1 + 1e-3 * step: out * f``, the old one removed)
+    traced the value call and its derivative again on every step of a
+    compiled ``jax.jit(jax.value_and_grad)`` in graph mode (120 graphs in 60
+    steps, 30x eager's time; the fuzzing pass of the twenty-third session).
+    After three new hooks in a row new hooks run eagerly, counted by
+    ``compile_stats()["eager_for_hooks"]``; hooks with kept graphs,
+    alternating, take them back; a hook that stays is traced once its eager
+    runs took as long as a trace (forced to nothing here), then replayed
+    (NOTE [a setting changed every step] in graph_mode.py). Every step is
+    held against ``loss.backward()`` on a twin from the same seed."""
+    net, twin = _hooked_twins()
+    runs: list[int] = []  # one per Python run of net's forward: eager or traced, no replay
+    forward = type(net[1]).forward
+
+    def counted_forward(self, *args):
+        if self is net[1]:
+            runs.append(1)
+        return forward(self, *args)
+
+    monkeypatch.setattr(type(net[1]), "forward", counted_forward)
+    apply, params = t2j_ad.jaxify_module(net, compile="graph")
+    step = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) ** 2)))
+    x = jnp.array([[0.3, -1.2, 0.7], [1.1, 0.4, -0.6]])
+
+    def hook_of(step: int):
+        return lambda module, args, out, f=1.0 + 1e-3 * step: out * f
+
+    hooks, traces_per_step = [], []
+    for k in range(12):
+        before = len(traces)
+        hooks.append(hook_of(k))
+        _step_as_pytorch(step, params, net, twin, hooks[-1], x, seed=k)
+        traces_per_step.append(len(traces) - before)
+    stats = apply.compile_stats()
+    # The value call and its derivative, for the first hook and three new
+    # ones after it; then none per step (the 12 steps traced 24 graphs).
+    assert traces_per_step[4:] == [0] * 8, f"traces per step of a new hook each step: {traces_per_step}"
+    assert stats["graphs"] == len(traces) == 2 * 4, stats
+    assert stats["eager_for_hooks"] >= 1 and stats["eager_for_rates"] == stats["eager_fallbacks"] == 0, stats
+    # Hooks whose graphs were kept, alternating: their graphs, no Python run.
+    runs.clear()
+    for k in range(6):
+        _step_as_pytorch(step, params, net, twin, hooks[1 + k % 3], x, seed=100 + k)
+    assert (len(runs), len(traces)) == (0, 2 * 4), f"Python runs with kept hooks: {len(runs)}, traces: {traces}"
+    # A hook that stays: eager on its first calls, then traced, then replayed.
+    monkeypatch.setattr(graph_mode, "_SETTLE_COST_SECONDS", 0.0)
+    stays = hook_of(1000)
+    runs_per_step = []
+    for k in range(8):
+        before = len(runs)
+        _step_as_pytorch(step, params, net, twin, stays, x, seed=200 + k)
+        runs_per_step.append(len(runs) - before)
+    assert len(traces) == 2 * 5, f"traces of a hook that stayed: {traces}"
+    assert runs_per_step[-3:] == [0, 0, 0], f"Python runs with a hook that stayed, per step: {runs_per_step}"
+    assert apply.compile_stats()["eager_for_rates"] == 0

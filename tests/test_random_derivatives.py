@@ -369,7 +369,7 @@ def test_a_dropout_rate_annealed_every_step_does_not_trace_every_step(monkeypatc
     and its derivative again on every step (a graph holds its rate as a
     constant: 137 ms a step where eager took 0.9 ms). After a few rates in
     a row it runs new rates eagerly, and a rate it kept a graph for takes
-    that graph back (NOTE [a rate annealed every step] in graph_mode.py).
+    that graph back (NOTE [a setting changed every step] in graph_mode.py).
     Every step is held against PyTorch's own from the same seed (the same
     masks)."""
     model, rated, loss, x = _rated_model(kind)
@@ -389,7 +389,7 @@ def test_a_dropout_rate_annealed_every_step_does_not_trace_every_step(monkeypatc
     # rates (graph_mode._RETRACES_FOR_RATES), then none per rate (the 12
     # steps traced 24 graphs).
     assert stats["graphs"] - before <= 2 * 3, (before, stats)
-    assert stats["eager_for_rates"] >= 1 and stats["eager_fallbacks"] == 0, stats
+    assert stats["eager_for_rates"] >= 1 and stats["eager_for_hooks"] == stats["eager_fallbacks"] == 0, stats
     _set_rate(rated, 0.45)  # a rate with a graph: no trace, no eager run
     runs.clear()
     for _ in range(2):
@@ -401,7 +401,7 @@ def test_a_dropout_rate_annealed_every_step_does_not_trace_every_step(monkeypatc
 @pytest.mark.parametrize("kind", ["dropout", "lstm"])
 def test_a_fixed_dropout_rate_keeps_its_graph(monkeypatch, kind):
     """A rate that does not change replays its graphs on every step, with
-    no eager run (NOTE [a rate annealed every step] stops tracing only
+    no eager run (NOTE [a setting changed every step] stops tracing only
     rates that keep changing); held against PyTorch's own from the same
     seed."""
     model, rated, loss, x = _rated_model(kind)
@@ -423,8 +423,8 @@ def test_a_dropout_rate_that_stops_changing_gets_its_graph(monkeypatch, traces, 
     """A rate that stayed after an annealing (the end of a schedule, a step
     decay's plateau) ran eagerly for good, at eager speed. Held for a few
     calls it is traced and replayed; an annealing that resumes runs eagerly
-    again after a few new rates, without a trace per step (NOTE [a rate
-    annealed every step] in graph_mode.py). Every step is held against
+    again after a few new rates, without a trace per step (NOTE [a setting
+    changed every step] in graph_mode.py). Every step is held against
     PyTorch's own from the same seed (the same masks)."""
     # Settled by the count of calls alone: no wait for eager time to reach
     # a trace's (graph_mode._SETTLE_COST_SECONDS; the tests below).
@@ -461,8 +461,8 @@ def _annealed(kind: str, use_jit: bool, monkeypatch, delay: list[float] | None =
     ``value_and_grad`` in graph mode (under ``jax.jit`` if ``use_jit``)
     counting Python runs of the rated module's forward
     (``_counting_python_runs``), with ``delay`` (``_slow_eager_runs``), after
-    8 steps of an annealed rate, which run eagerly by then (NOTE [a rate
-    annealed every step] in graph_mode.py); each step held against
+    8 steps of an annealed rate, which run eagerly by then (NOTE [a setting
+    changed every step] in graph_mode.py); each step held against
     PyTorch's own from seed 0."""
     model, rated, loss, x = _rated_model(kind)
     if delay is not None:  # before the first call: a forward replaced after it traces again
@@ -504,8 +504,8 @@ def test_a_dropout_rate_on_a_plateau_shorter_than_a_trace_runs_eagerly(monkeypat
     """A step decay with short plateaus (``p = 0.5 * 0.8 ** (step // 25)``)
     traced each plateau's rate on its third call, some 90 ms a trace where
     a step took 1 ms, 6x eager's time over such plateaus. A rate that stays
-    is traced only once its eager runs took as long as a trace (NOTE [a
-    rate annealed every step] in graph_mode.py): with that cost forced high,
+    is traced only once its eager runs took as long as a trace (NOTE [a setting
+    changed every step] in graph_mode.py): with that cost forced high,
     plateaus of 10 steps run eagerly throughout, each step held against
     PyTorch's own from the same seed (the same masks)."""
     monkeypatch.setattr(graph_mode, "_SETTLE_COST_SECONDS", 1e9)
@@ -528,8 +528,8 @@ def test_a_dropout_rate_on_a_long_plateau_is_traced_once_its_eager_runs_took_a_t
     """A rate that stays (an epoch's plateau, the end of a schedule) is
     traced once its eager runs together took as long as a trace, here
     forced to 0.2 s against eager runs made 0.02 s slower: not on its third
-    call, as a count alone traced, but by its eleventh; then replayed (NOTE
-    [a rate annealed every step] in graph_mode.py). Each step held against
+    call, as a count alone traced, but by its eleventh; then replayed (NOTE [a setting
+    changed every step] in graph_mode.py). Each step held against
     PyTorch's own from the same seed (the same masks)."""
     monkeypatch.setattr(graph_mode, "_SETTLE_COST_SECONDS", 0.2)
     delay = [0.0]
@@ -554,14 +554,14 @@ def test_a_dropout_rate_on_a_long_plateau_is_traced_once_its_eager_runs_took_a_t
 
 
 def test_rates_that_stay_settle_once_their_eager_seconds_reach_the_last_trace():
-    """The settle rule alone (NOTE [a rate annealed every step] in
+    """The settle rule alone (NOTE [a setting changed every step] in
     graph_mode.py): the same rates settle once they ran eagerly on three
     calls and for as long, all runs together, as the last trace of their
     transform stack and device took, or before any, the latest kept graph
     of other rates; new rates start both counts again."""
     import types
 
-    seen = graph_mode._rates_seen(types.SimpleNamespace(), ("transforms", "cpu"), [])
+    seen = graph_mode._settings_seen(types.SimpleNamespace(), ("transforms", "cpu"), [])
     assert seen.trace_cost == 0.0
     seen.trace_cost = 0.5
     ran = []
@@ -578,7 +578,7 @@ def test_rates_that_stay_settle_once_their_eager_seconds_reach_the_last_trace():
     assert [seen.run_eagerly((0.1,)) for _ in range(3)] == [True, True, False]
     kept = graph_mode.Artifact(None)
     kept.trace_seconds, kept.compile_seconds = 0.25, 0.5
-    fresh = graph_mode._rates_seen(types.SimpleNamespace(), ("transforms", "cpu"), [graph_mode.Artifact(None), kept])
+    fresh = graph_mode._settings_seen(types.SimpleNamespace(), ("transforms", "cpu"), [graph_mode.Artifact(None), kept])
     assert fresh.trace_cost == 0.75
 
 

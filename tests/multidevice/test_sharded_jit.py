@@ -564,10 +564,10 @@ def test_compile_stats_count_graphs_dropped_before_a_sharded_call_once(mesh, mon
     # function keeps]), so compile_stats counted each of them twice once a
     # sharded jax.jit had run it per device. A graph per dropout rate: more
     # rates than graphs kept, each traced (not run eagerly as an annealing
-    # is after a few: NOTE [a rate annealed every step]).
+    # is after a few: NOTE [a setting changed every step]).
     from t2j_ad import graph_mode
 
-    monkeypatch.setattr(graph_mode, "_RETRACES_FOR_RATES", 100)
+    monkeypatch.setattr(graph_mode, "_RETRACES_FOR_SETTINGS", 100)
 
     net = torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Dropout(0.5))
     f = t2j_ad.jaxify(lambda x: net(x), batch_argnums=0, compile="graph")
