@@ -1141,8 +1141,10 @@ class _RunnerWithEffects(_RunnerWatchingDraws):
             f"acc = torch.zeros(3); or its own run bound one, as self.act = drop if self.noisy else ident "
             f"does), and now the function draws random numbers or updates state it keeps other than it "
             f"did, which its derivatives would draw or update a second time. Trace again after such a "
-            f"change: jax.clear_caches(), or a new jax.jit of it (without jax.jit, the next call of the "
-            f"transform traces again by itself)."
+            f"change: call jax.clear_caches(), or jax.jit a new function object, as "
+            f"jax.jit(functools.partial(step)) for the step you jitted (jax.jit(step) again reuses the trace "
+            f"JAX keeps for step, and is refused again). Without jax.jit, the next call of the transform "
+            f"traces again by itself."
         )
 
 

@@ -11,6 +11,7 @@ captured tensor), or against pure JAX.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import jax
@@ -354,7 +355,7 @@ def test_a_write_neither_zeros_nor_ones_make_is_refused_by_name():
     # The runs on zeros and on ones both took the branch without the write,
     # so the derivative would write a second time.
     apply, params = t2j_ad.jaxify_module(_WritesWhen(50.0).to(TORCH_DEVICE))
-    with pytest.raises(Exception, match=r"did not see that write.*torch.where"):
+    with pytest.raises(Exception, match=r"did not see that write.*torch.where.*jax.clear_caches\(\).*functools.partial\(step\)"):
         jax.block_until_ready(jax.grad(lambda p, x: _square(apply(p, x)))(params, jnp.abs(_X[:, :3]) + 10.0))
 
 
@@ -373,6 +374,38 @@ def test_a_jitted_derivative_traced_in_eval_mode_is_refused_after_train():
         jax.block_until_ready(step(params, _X))
     module.eval()
     jax.block_until_ready(step(params, _X))  # back in the mode it was traced in
+
+
+@pytest.mark.parametrize("how", ["clear_caches", "partial", "lambda"])
+def test_following_the_advice_after_train_traces_again(how):
+    # The refusal advised "jax.clear_caches(), or a new jax.jit of it"; but
+    # JAX keeps a trace per Python function, so jax.jit(step) of the same
+    # step reused the eval-mode trace and was refused again. What the
+    # message advises now (jax.clear_caches(), or jax.jit of a new function
+    # object) traces again, and the step then matches PyTorch's autograd.
+    module = _normalized().eval()
+    apply, params = t2j_ad.jaxify_module(module)
+
+    def step(p, x):
+        return jax.value_and_grad(lambda p: _square(apply(p, x)))(p)
+
+    jax.block_until_ready(jax.jit(step)(params, _X))
+    module.train()
+    for _ in range(2):  # a new jax.jit of the same step reuses its trace
+        with pytest.raises(Exception, match="changed training mode") as refused:
+            jax.block_until_ready(jax.jit(step)(params, _X))
+    message = str(refused.value)
+    assert "jax.clear_caches()" in message and "jax.jit(functools.partial(step))" in message
+    assert "reuses the trace" in message
+    twin = copy.deepcopy(module)  # the refused calls' value calls updated the statistics
+    if how == "clear_caches":
+        jax.clear_caches()
+        retraced = jax.jit(step)
+    elif how == "partial":
+        retraced = jax.jit(functools.partial(step))
+    else:
+        retraced = jax.jit(lambda *a: step(*a))
+    _steps_match_pytorch(retraced, params, module, twin, [_X, _X * 0.5 + 1.0])
 
 
 def test_a_jitted_derivative_traced_in_train_mode_runs_in_eval_mode():

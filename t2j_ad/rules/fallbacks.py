@@ -133,7 +133,8 @@ def _refuse_unseen_write(base: Any, err: BaseException) -> None:
         f"are on zeros and on ones), the function was given output_shapes=, or it ran with other training flags when "
         f"jax.jit traced it. Its derivative would write the state a second time, and start from the state its "
         f"value call left. Make the write unconditional (torch.where(cond, update, 0)), leave output_shapes "
-        f"out, or trace again after module.train() (a new jax.jit, or jax.clear_caches())."
+        f"out, or trace again after module.train(): jax.clear_caches(), or jax.jit of a new function object, as "
+        f"jax.jit(functools.partial(step)) (jax.jit(step) again reuses the trace JAX keeps for step)."
     ) from err
 
 
