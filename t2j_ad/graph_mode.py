@@ -85,6 +85,7 @@ from .module_locks import locks_under, taken_after
 from .real_writes import one_trial_run, trial_run
 from .rules.fallbacks import first_line, provisional, warn_once
 from .trace_check import (
+    FirstRunFailed,
     FirstRunNotUndone,
     WrittenConstants,
     checked_first_run,
@@ -544,6 +545,60 @@ class EagerForSettings(Artifact):
         return timed
 
 
+class TracedGraph:
+    """A traced graph before its checked first run: the graph, the tensors it
+    holds by reference (``held``), their layouts as the trace saw them, and
+    the seconds the trace took."""
+
+    __slots__ = ("graph", "held", "layouts", "seconds")
+
+    def __init__(self, graph: torch.fx.GraphModule, held: list[torch.Tensor], layouts: HeldLayouts, seconds: float):
+        self.graph = graph
+        self.held = held
+        self.layouts = layouts
+        self.seconds = seconds
+
+
+class UncheckedGraph(Artifact):
+    """A traced graph whose checked first runs so far raised, as the eager
+    call on their inputs did: checked again at the next call, not traced
+    again (NOTE [a first run that fails on its inputs])."""
+
+    __slots__ = ("traced_graph",)
+
+    def __init__(self, traced_graph: TracedGraph) -> None:
+        super().__init__(None, "its first runs so far failed on their inputs, as eager did", traced=True)
+        self.traced_graph = traced_graph
+        self.trace_seconds = traced_graph.seconds
+        self.layouts = traced_graph.layouts if len(traced_graph.layouts) else None
+
+
+# NOTE [a first run that fails on its inputs]
+# A graph's first run (checked: NOTE [checking a trace against eager] in
+# trace_check.py) can raise because of its inputs' values alone:
+# ``torch.linalg.cholesky`` of a matrix that is not positive definite
+# raises in eager PyTorch too. Taken for a fault of the trace, such an
+# error dropped the graph for good: every later call ran eagerly
+# (``compile_stats()``: graphs 0, eager_fallbacks 1), with a
+# FallbackWarning blaming the graph's first run. So a first run that
+# raises is followed by the eager call on the same inputs, from the random
+# state that run started in (``trace_check.FirstRunFailed``). Where eager
+# returns, the trace is at fault, as before: the graph is dropped, the call
+# returns eager's results, and the warning says so. Where eager raises
+# too, the error is the inputs': the call raises eager's error, as
+# ``compile="eager"`` does, with no warning, and the traced graph is kept
+# unchecked (``UncheckedGraph``), in the cache for its setting; the next
+# call that finds it runs the check again on its own inputs, without a new
+# trace. That is the bound: a function that fails on most of its inputs is
+# traced once in all, and each failing call costs a run of the graph (up
+# to its error, through the layout-checking interpreter) and an eager run,
+# about twice eager's time, until a call that works keeps the graph.
+# ``compile_stats()`` counts an unchecked graph neither as a graph nor as
+# an eager fallback (its trace's seconds count). What the failed run wrote
+# into tensors the function keeps before it raised (a module's running
+# statistics) is not put back before the eager run.
+
+
 def _build_artifact(
     mode: str, impl: Flat, base: Any, inputs: Sequence[torch.Tensor], grad_enabled: bool, out_specs: OutSpecs
 ) -> tuple[Artifact, Any]:
@@ -566,17 +621,38 @@ def _build_artifact(
         return artifact, None
     except Exception as err:  # noqa: BLE001 - any failure: run eagerly (NOTE [graph mode])
         return Artifact(None, _reason(err)), None
-    traced = time.perf_counter()
+    seconds = time.perf_counter() - start
     # NOTE [the layouts a graph assumed]: as the trace saw them.
     held = graph_constants(graph)  # what the graph holds by reference
     named = getattr(base, "named_tensors", None)  # where the tensors its function names are now
     layouts = HeldLayouts(held, named=named() if named is not None else ())
+    traced = TracedGraph(graph, held, layouts, seconds)
+    return _checked_artifact(mode, impl, base, traced, inputs, grad_enabled, out_specs)
+
+
+def _checked_artifact(
+    mode: str,
+    impl: Flat,
+    base: Any,
+    traced: TracedGraph,
+    inputs: Sequence[torch.Tensor],
+    grad_enabled: bool,
+    out_specs: OutSpecs,
+) -> tuple[Artifact, Any]:
+    """The artifact of ``traced`` after its checked first run on ``inputs``,
+    and that call's results (None if it has none; the error it must raise,
+    if it cannot return a result)."""
+    graph, held, layouts = traced.graph, traced.held, traced.layouts
     constants = WrittenConstants(graph) if mode == "inductor" else None
     try:
         first, dropped = checked_first_run(impl, graph, inputs, grad_enabled)  # NOTE [checking a trace against eager]
     except FirstRunNotUndone as err:  # eagerly from the next call; this one fails
         return Artifact(None, f"on its first call it {err.reason}", traced=True), err
-    except Exception as err:  # noqa: BLE001 - the graph does not run: eagerly
+    except FirstRunFailed as err:  # NOTE [a first run that fails on its inputs]
+        if err.eager_error is not None:
+            return UncheckedGraph(traced), err.eager_error
+        return Artifact(None, f"its first run failed: {_reason(err.error)}", traced=True), err.results
+    except Exception as err:  # noqa: BLE001 - the check's own runs fail: eagerly
         return Artifact(None, f"its first run failed: {_reason(err)}", traced=True), None
     if dropped is not None:
         return Artifact(None, dropped, traced=True), first
@@ -609,7 +685,7 @@ def _build_artifact(
     if replayed and _rebound(graph):  # NOTE [graph ops through the public bindings]
         artifact.run = graph.forward
     artifact.layouts = layouts if len(layouts) else None
-    artifact.trace_seconds = traced - start
+    artifact.trace_seconds = traced.seconds
     artifact.compile_seconds = time.perf_counter() - checked if mode == "inductor" else 0.0
     if inputs and inputs[0].is_cuda:
         from .cuda_graphs import CudaGraphCall
@@ -724,7 +800,7 @@ def artifact_for(
     where = (transforms, inputs[0].device if inputs else None)
     cache: dict[Any, Artifact] = base.__dict__.setdefault("graphs", {})  # read by artifacts()
     artifact, _ = _holding(cache, where)
-    if artifact is not None:
+    if artifact is not None and not isinstance(artifact, UncheckedGraph):
         return artifact, None
     # Its own lock, not base.lock: build() takes that one, and a trace (an
     # inductor compile: seconds) must not hold up other TorchFns' builds.
@@ -737,6 +813,11 @@ def artifact_for(
     lock: threading.Lock = base.__dict__.setdefault("graph_lock", threading.Lock())
     with taken_after(one_trial_run(), locks_under(_referenced(base)[1])), lock:
         artifact, moved = _holding(cache, where)
+        if isinstance(artifact, UncheckedGraph):  # NOTE [a first run that fails on its inputs]
+            artifact, first = _checked_again(mode, impl, base, cache, where, artifact, inputs, grad_enabled, out_specs)
+            if isinstance(first, BaseException):
+                raise first
+            return artifact, first
         if artifact is not None:
             return artifact, None
         if moved and _retraced_for_layouts(base, where) > _RETRACES_FOR_LAYOUTS:
@@ -762,8 +843,35 @@ def artifact_for(
         if artifact.once:  # NOTE [a hook that removed itself in a trace]
             return artifact, first
         _keep(base, cache, where, artifact, moved)
-    if isinstance(first, FirstRunNotUndone):
+    # FirstRunNotUndone, or eager's error (NOTE [a first run that fails on its inputs])
+    if isinstance(first, BaseException):
         raise first
+    return artifact, first
+
+
+def _checked_again(
+    mode: str,
+    impl: Flat,
+    base: Any,
+    cache: dict[Any, Artifact],
+    where: tuple[Any, Any],
+    unchecked: UncheckedGraph,
+    inputs: Sequence[torch.Tensor],
+    grad_enabled: bool,
+    out_specs: OutSpecs,
+) -> tuple[Artifact, Any]:
+    """The graph ``unchecked`` holds, whose first runs so far raised on
+    their inputs as eager did, checked on this call's ``inputs``: its
+    artifact, kept in ``cache`` in place of ``unchecked`` (or ``unchecked``,
+    when this run raised too), and this call's results or error (NOTE [a
+    first run that fails on its inputs]). Called under ``base``'s graph lock."""
+    artifact, first = _checked_artifact(mode, impl, base, unchecked.traced_graph, inputs, grad_enabled, out_specs)
+    if isinstance(artifact, UncheckedGraph):
+        return unchecked, first
+    artifact.modes = unchecked.modes
+    for key in [key for key, kept in cache.items() if kept is unchecked]:
+        del cache[key]
+    _keep(base, cache, where, artifact, [])
     return artifact, first
 
 
@@ -1037,7 +1145,8 @@ def stats_of(base: Any) -> dict[str, float]:
 def _count(stats: dict[str, float], artifact: Artifact) -> None:
     """Add ``artifact`` to ``stats``: a graph or an eager fallback, and what
     its trace and compile cost."""
-    stats["graphs" if artifact.run is not None else "eager_fallbacks"] += 1
+    if not isinstance(artifact, UncheckedGraph):  # NOTE [a first run that fails on its inputs]
+        stats["graphs" if artifact.run is not None else "eager_fallbacks"] += 1
     stats["trace_seconds"] += artifact.trace_seconds
     stats["compile_seconds"] += artifact.compile_seconds
 

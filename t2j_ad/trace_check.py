@@ -30,7 +30,10 @@ fails that one call (``FirstRunNotUndone``) rather than hand back results
 it cannot vouch for. Graph and eager run the same aten kernels, so they
 agree to rounding: the tolerance, half the dtype's digits relative to the
 output's largest entry, leaves room only for kernels that are not
-deterministic (atomic adds on a GPU), and none for a layout mix-up.
+deterministic (atomic adds on a GPU), and none for a layout mix-up. A
+first run that raises is followed by the eager call on the same inputs,
+which tells an error of the inputs' values from one of the trace (NOTE [a
+first run that fails on its inputs] in graph_mode.py).
 
 NOTE [checking inductor against the trace]
 Inductor compiles the checked graph into kernels of its own, which can be
@@ -51,7 +54,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -156,6 +159,20 @@ class FirstRunNotUndone(RuntimeError):
         )
 
 
+class FirstRunFailed(Exception):
+    """A graph's first run raised ``error``. The eager call on the same
+    inputs, from the random state that run started in, then returned
+    ``results``, or raised ``eager_error`` as well: an error of the inputs'
+    values, not of the trace (NOTE [a first run that fails on its inputs]
+    in graph_mode.py)."""
+
+    def __init__(self, error: Exception, results: Any = None, eager_error: Exception | None = None):
+        super().__init__(str(error))
+        self.error = error
+        self.results = results
+        self.eager_error = eager_error
+
+
 class _State:
     """The random generators of the CPU and of ``devices``, and ``tensors``'
     values, as they are now: ``restore()`` sets them back."""
@@ -183,11 +200,19 @@ def checked_first_run(
     run with grad mode ``grad_enabled``), on ``inputs``: its results, and why
     the graph must be dropped (the results are then ``impl``'s), or None
     (NOTE [checking a trace against eager]). Raises ``FirstRunNotUndone``
-    when the graph is wrong but its first run has already updated state."""
+    when the graph is wrong but its first run has already updated state,
+    and ``FirstRunFailed`` when the first run raises."""
     devices = sorted({t.device.index or 0 for t in inputs if t.is_cuda})
     constants = WrittenConstants(graph)
     before = _State(devices)
-    results, diverged = run_checking_layouts(graph, inputs)
+    try:
+        results, diverged = run_checking_layouts(graph, inputs)
+    except Exception as error:  # noqa: BLE001 - eager's run on the inputs says whose error it is
+        failed = error
+    else:
+        failed = None
+    if failed is not None:
+        _run_eagerly_after(failed, impl, inputs, grad_enabled, before)
     if diverged is None:
         return results, None
     written = constants.since()
@@ -217,6 +242,24 @@ def checked_first_run(
     if reason is None:
         return results, None
     raise FirstRunNotUndone(f"{reason}, after a layout the trace did not foresee ({diverged})", len(written))
+
+
+def _run_eagerly_after(
+    failed: Exception, impl: Flat, inputs: Sequence[torch.Tensor], grad_enabled: bool, before: _State
+) -> NoReturn:
+    """Raise ``FirstRunFailed`` for a graph's first run that raised
+    ``failed``, with what the eager call makes of the same ``inputs``, from
+    the random state ``before`` that run started in: the call's results, as
+    the runner would have run eagerly, or its own error. Run outside the
+    ``except`` of ``failed``, so eager's error does not carry the graph's as
+    its context."""
+    before.restore()
+    try:
+        with torch.autograd.set_grad_enabled(grad_enabled):
+            results = impl(*inputs)
+    except Exception as eager_error:  # noqa: BLE001 - the call's own error, raised by the caller
+        raise FirstRunFailed(failed, eager_error=eager_error) from None
+    raise FirstRunFailed(failed, results=results) from None
 
 
 def compiled_disagreement(

@@ -171,3 +171,107 @@ def test_special_values_and_integers_must_match_exactly():
     assert trace_check._mismatch(n, n.clone()) is None
     assert trace_check._mismatch(n, n + 1) == "different values"
     assert "where eager gives (3,)" in trace_check._mismatch(n, n[:2])
+
+
+# ------------------------- a first run that fails on its inputs (NOTE [a first
+# run that fails on its inputs] in t2j_ad/graph_mode.py)
+
+_NOT_POSITIVE_DEFINITE = "not positive-definite"
+
+
+def _cholesky_sum(a):
+    return torch.linalg.cholesky(a).sum()
+
+
+def _counting_traces(monkeypatch) -> list[int]:
+    traces = []
+    original = graph_mode.trace
+
+    def counted(*args, **kwargs):
+        traces.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(graph_mode, "trace", counted)
+    return traces
+
+
+_CALLS = {
+    "jit(grad)": lambda f: jax.jit(jax.grad(f)),
+    "grad": jax.grad,
+    "jit": jax.jit,
+    "plain": lambda f: f,
+}
+
+
+@pytest.mark.parametrize("call", list(_CALLS))
+def test_a_first_run_that_fails_on_its_inputs_as_eager_does_keeps_the_graph(monkeypatch, call):
+    # cholesky of a matrix that is not positive definite raises in eager
+    # PyTorch too. That first call's graph was dropped for good, every later
+    # call ran eagerly, and a FallbackWarning blamed the graph's first run.
+    # Now the call raises eager's error, with no warning, the graph is kept,
+    # and failing calls after it trace no more.
+    good = jnp.eye(3) * 2.0 + 0.5
+    bad = -good
+    eager = _CALLS[call](t2j_ad.jaxify(_cholesky_sum, compile="eager"))
+    with pytest.raises(Exception, match=_NOT_POSITIVE_DEFINITE) as eager_refusal:
+        jax.block_until_ready(eager(bad))
+    traces = _counting_traces(monkeypatch)
+    jaxified = t2j_ad.jaxify(_cholesky_sum, compile="graph")
+    f = _CALLS[call](jaxified)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        traced = []
+        for _ in range(3):  # a function failing on most inputs is not traced per call
+            with pytest.raises(type(eager_refusal.value), match=_NOT_POSITIVE_DEFINITE):
+                jax.block_until_ready(f(bad))
+            traced.append(len(traces))
+        for scale in (1.0, 2.0):
+            got = f(good * scale)
+            a = torch.tensor(np.asarray(good * scale), device=TORCH_DEVICE)
+            expected = torch.func.grad(_cholesky_sum)(a) if "grad" in call else _cholesky_sum(a)
+            assert_tree_allclose(got, to_numpy(expected), rtol=1e-5, atol=1e-5)
+        traced.append(len(traces))
+        with pytest.raises(type(eager_refusal.value), match=_NOT_POSITIVE_DEFINITE):
+            jax.block_until_ready(f(bad))  # the kept graph's error, as eager's
+        traced.append(len(traces))
+    assert _fallbacks(record) == []
+    # Traced at the first failing call; without jax.jit, jax.grad's
+    # derivative is first called (and traced) by the first good call.
+    assert traced[0] == traced[1] == traced[2] >= 1 and traced[3] == traced[4]
+    stats = jaxified.compile_stats()
+    assert stats["graphs"] >= 1 and stats["eager_fallbacks"] == 0
+
+
+def test_a_first_run_that_fails_where_eager_works_drops_the_graph(monkeypatch):
+    # The trace is at fault: the graph is dropped with one warning and the
+    # call returns eager's results, drawn from the random state the failed
+    # run started in (the failed run had drawn before it raised), as
+    # compile="eager" draws them from the same seed.
+    original = graph_mode.trace
+
+    def failing_trace(fn, inputs, grad_enabled, *referenced):
+        drawn_then_failing = lambda a: (torch.linalg.cholesky(a + torch.rand_like(a)).sum(),)  # noqa: E731
+        return original(drawn_then_failing, inputs, grad_enabled, *referenced)
+
+    def noisy_sum(a):
+        return (a + torch.rand_like(a)).sum()
+
+    bad = -jnp.eye(3) * 4.0
+    expected = {}
+    for mode in ("eager", "graph"):
+        if mode == "graph":
+            monkeypatch.setattr(graph_mode, "trace", failing_trace)
+        jaxified = t2j_ad.jaxify(noisy_sum, compile=mode)
+        f = jax.jit(jaxified)
+        torch.manual_seed(1234)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            values = [np.asarray(f(bad * scale)) for scale in (1.0, 2.0)]
+        expected[mode] = (values, to_numpy(torch.rand(2, device=TORCH_DEVICE)))
+    np.testing.assert_array_equal(expected["graph"][0], expected["eager"][0])
+    np.testing.assert_array_equal(expected["graph"][1], expected["eager"][1])  # the generator left alike
+    (message,) = _fallbacks(record)
+    assert "dropped the traced graph" in message and "its first run failed" in message
+    assert _NOT_POSITIVE_DEFINITE in message
+    stats = jaxified.compile_stats()
+    assert stats["graphs"] == 0 and stats["eager_fallbacks"] == 1
