@@ -359,15 +359,10 @@ def _added_outputs_dropped(graph: torch.fx.GraphModule) -> list[bool]:
 
 
 class HookRemovedInTrace(NotTraceable):
-    """A hook the trace ran removed itself (NOTE [a hook that removed itself
-    in a trace]), or another thread removed one meanwhile (NOTE [a hook
-    removed on another thread during a trial run] in module_hooks.py)."""
+    """A hook the trace ran removed itself (NOTE [a hook that removed itself in a trace])."""
 
     def __init__(self) -> None:
-        super().__init__(
-            "a hook it ran removed itself (a one-shot hook), or was removed while it traced, so this call runs "
-            "eagerly, once"
-        )
+        super().__init__("a hook it ran removed itself (a one-shot hook), so this call runs eagerly, once")
 
 
 def trace(
@@ -408,9 +403,7 @@ def trace(
             from_inputs = [name for name, computed in zip(added, _added_outputs_dropped(graph)) if computed]
             # Before the trial run puts it back:
             refuse_state_kept_in_objects(attributes.cache_state(), attributes.hook_filled(), from_inputs)
-        # NOTE [a hook that removed itself in a trace]; NOTE [a hook removed on
-        # another thread during a trial run] in module_hooks.py
-        if attributes.hooks_put_back or attributes.hooks_removed_elsewhere:
+        if attributes.hooks_put_back:  # NOTE [a hook that removed itself in a trace]
             raise HookRemovedInTrace()
         refuse_module_side_effects(attributes.rebound, attributes.python_state)
         return graph

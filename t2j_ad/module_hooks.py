@@ -26,9 +26,7 @@ hook numbered since it started (PyTorch numbers hooks in order) from the
 modules it ran or refers to and from the global tables, the tables of
 hooks with keyword arguments, always-called hooks and state-dict hooks
 included. A hook another thread registers on one of those modules while a
-trial run is on is removed too; a hook on a tensor is not. (One another
-thread removes meanwhile is not put back: NOTE [a hook removed on another
-thread during a trial run].)
+trial run is on is removed too; a hook on a tensor is not.
 
 A hook that removes itself (a one-shot initialization: a forward-pre hook
 that sets a scale from the first batch, then ``handle.remove()``) ran in
@@ -45,26 +43,6 @@ trial run sees it (in t2j_ad's global forward pre-hook, which runs
 before the module's own hooks). A graph-mode trace puts them back as
 well, and a trace that ran such a hook gives no graph (NOTE [a hook that
 removed itself in a trace] in graph_mode.py).
-
-NOTE [a hook removed on another thread during a trial run]
-``handle.remove()`` takes no lock, so another thread may remove a hook of
-a module while a trial run of a function that runs it is on (the module
-locks a trial run holds keep off ``jaxify_module`` calls of it, not
-that: NOTE [trial runs wait for module calls] in real_writes.py). The
-trial run then put that hook back with its own one-shot hooks, for good:
-the module ran a hook its owner had removed, in t2j_ad's calls and in
-PyTorch's own. So while a trial run is on, ``RemovableHandle.remove``
-notes the id of each hook removed on another thread (``removals_elsewhere``;
-PyTorch has no hook on removal, so ``remove`` is wrapped once, when this
-module is imported, by a wrapper that checks one list and calls it), and
-the trial run puts back none of those: only what its own thread removed.
-A graph-mode trace during which one was removed gives no graph (the
-trace may have run the hook before it went, and the graph would keep
-its ops; NOTE [a hook that removed itself in a trace] in graph_mode.py).
-A hook taken out of its table another way (``del
-module._forward_hooks[k]``, ``torch.nn.utils.prune.remove``) is not seen,
-and put back as before; so is a removal made by a thread the function
-itself starts.
 
 NOTE [only PyTorch's hook tables]
 The tables a trial run removes hooks from were first found by name: every
@@ -84,9 +62,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import types
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -133,13 +110,10 @@ def _every_table(module: torch.nn.Module | None) -> list[dict[Any, Any]]:
     those of hooks with keyword arguments and always-called hooks, keyed by
     the same numbers, included; PyTorch's alone (NOTE [only PyTorch's hook
     tables])."""
-    return _every_table_in(vars(_module_hooks) if module is None else getattr(module, "__dict__", {}))
-
-
-def _every_table_in(attributes: dict[str, Any]) -> list[dict[Any, Any]]:
-    """``_every_table`` of what ``attributes`` hold: a module's ``__dict__``,
-    or ``torch.nn.modules.module``'s for the global tables."""
-    names = _EVERY_GLOBAL_TABLE if attributes is vars(_module_hooks) else _EVERY_MODULE_TABLE
+    if module is None:
+        attributes, names = vars(_module_hooks), _EVERY_GLOBAL_TABLE
+    else:
+        attributes, names = getattr(module, "__dict__", {}), _EVERY_MODULE_TABLE
     return [table for table in map(attributes.get, names) if isinstance(table, dict)]
 
 
@@ -165,74 +139,20 @@ def hook_tables_kept(modules: Iterable[torch.nn.Module], global_tables: bool = T
     return [(table, dict(table)) for module in holders for table in _every_table(module) if table]
 
 
-def put_back_removed_hooks(kept: Iterable[KeptTable], removed_elsewhere: Collection[int] = ()) -> tuple[int, int]:
+def put_back_removed_hooks(kept: Iterable[KeptTable]) -> int:
     """Put back in each table the hooks removed since ``hook_tables_kept``
-    copied it, in their order, before those added since, but those
-    ``removed_elsewhere`` names (by their handles' ids: NOTE [a hook removed
-    on another thread during a trial run]); how many hooks (and flags of
-    theirs) it put back, and how many it left out."""
-    put_back = left_out = 0
+    copied it, in their order, before those added since; how many hooks
+    (and flags of theirs) it put back."""
+    put_back = 0
     for table, saved in kept:
-        gone = [key for key in saved if key not in table]
-        back = [key for key in gone if key not in removed_elsewhere]
-        left_out += len(gone) - len(back)
-        if back:
-            put_back += len(back)
+        removed = len(saved.keys() - table.keys())
+        if removed:
+            put_back += removed
             added = [(key, value) for key, value in table.items() if key not in saved]
-            kept_now = {key: table.get(key, value) for key, value in saved.items() if key in table or key in back}
             table.clear()
-            table.update(kept_now)
+            table.update(saved)
             table.update(added)
-    return put_back, left_out
-
-
-class _RemovalsWatch:
-    """The ids of the hooks ``RemovableHandle.remove`` removed on threads
-    other than the one that made the watch, while it is on."""
-
-    __slots__ = ("thread", "ids")
-
-    def __init__(self) -> None:
-        self.thread = threading.get_ident()
-        self.ids: set[int] = set()
-
-
-# The watches on now (one per trial run on, nested ones included).
-_removals_watched: list[_RemovalsWatch] = []
-
-
-@contextlib.contextmanager
-def removals_elsewhere() -> Iterator[set[int]]:
-    """Within the block, the set it yields gathers the ids of the hooks
-    removed by ``handle.remove()`` on other threads (NOTE [a hook removed
-    on another thread during a trial run])."""
-    watch = _RemovalsWatch()
-    _removals_watched.append(watch)
-    try:
-        yield watch.ids
-    finally:
-        _removals_watched[:] = [w for w in _removals_watched if w is not watch]
-
-
-def _noting_removals(remove: Callable[[RemovableHandle], None]) -> Callable[[RemovableHandle], None]:
-    """``RemovableHandle.remove``, noting the handle's id for each watch on
-    another thread than this one."""
-
-    @functools.wraps(remove)
-    def remove_noted(handle: RemovableHandle) -> None:
-        if _removals_watched:
-            thread = threading.get_ident()
-            for watch in tuple(_removals_watched):
-                if watch.thread != thread:
-                    watch.ids.add(handle.id)
-        remove(handle)
-
-    remove_noted.notes_removals = True  # type: ignore[attr-defined]
-    return remove_noted
-
-
-if not getattr(RemovableHandle.remove, "notes_removals", False):  # once, whatever reloads this module
-    RemovableHandle.remove = _noting_removals(RemovableHandle.remove)  # type: ignore[method-assign]
+    return put_back
 
 
 def _where_tables_are(module: torch.nn.Module | None) -> tuple[dict[str, Any], tuple[str, ...]]:
@@ -419,62 +339,6 @@ def hooks_still_in_place(places: Sequence[HookPlace]) -> bool:
     """Whether every hook ``places`` names is still in its table (at once
     where it names none)."""
     return not places or all(key in (attributes.get(name) or ()) for attributes, name, key in places)
-
-
-def hook_tables_holding(places: Sequence[HookPlace]) -> list[KeptTable]:
-    """Each of PyTorch's hook tables, those of the hooks' flags included, of
-    the modules holding a hook ``places`` names (and the global tables, where
-    one is global), with a copy of it: what ``hooks_removed`` compares after
-    a call (NOTE [a hook that removed itself in a value call] in
-    replayed_calls.py)."""
-    holders = {id(attributes): attributes for attributes, _, _ in places}
-    return [(table, dict(table)) for attributes in holders.values() for table in _every_table_in(attributes) if table]
-
-
-class HooksRemoved:
-    """The hooks (and their flags) a call removed from the tables
-    ``hook_tables_holding`` copied before it, each with the table's order
-    then: ``put_back()`` puts them back for the length of a block (NOTE [a
-    hook that removed itself in a value call] in replayed_calls.py)."""
-
-    __slots__ = ("_removed",)
-
-    def __init__(self, removed: Sequence[tuple[dict[Any, Any], dict[Any, Any], tuple[Any, ...]]]) -> None:
-        self._removed = tuple(removed)  # (table, its copy before the call, the keys gone)
-
-    @contextlib.contextmanager
-    def put_back(self) -> Iterator[None]:
-        """Within the block, each hook removed is back in its table, in its
-        place among those still there, before those added since; after it,
-        each put back that is still there (it did not remove itself again)
-        is removed."""
-        put: list[tuple[dict[Any, Any], list[Any]]] = []
-        try:
-            for table, saved, gone in self._removed:
-                missing = [key for key in gone if key not in table]
-                if missing:
-                    put.append((table, missing))
-                    back = {key: table.get(key, saved[key]) for key in saved if key in table or key in missing}
-                    added = [(key, value) for key, value in table.items() if key not in saved]
-                    table.clear()
-                    table.update(back)
-                    table.update(added)
-            yield
-        finally:
-            for table, missing in put:
-                for key in missing:
-                    table.pop(key, None)
-
-
-def hooks_removed(kept: Iterable[KeptTable]) -> HooksRemoved | None:
-    """The hooks removed from the tables ``kept`` (``hook_tables_holding``)
-    since it copied them; None where none was."""
-    removed = []
-    for table, saved in kept:
-        gone = tuple(key for key in saved if key not in table)
-        if gone:
-            removed.append((table, saved, gone))
-    return HooksRemoved(removed) if removed else None
 
 
 def user_hooks(modules: Iterable[torch.nn.Module]) -> list[Callable[..., Any]]:

@@ -150,14 +150,7 @@ from typing import Any
 import torch
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from .module_hooks import (
-    KeptTable,
-    hook_tables_holding,
-    hooks_still_in_place,
-    own_global_hooks,
-    user_hook_places,
-    user_hooks_seen,
-)
+from .module_hooks import hooks_still_in_place, own_global_hooks, user_hook_places, user_hooks_seen
 from .module_structure import nothing_moved, registrations
 from .references import Same, reachable
 
@@ -296,13 +289,6 @@ class ModuleModes:
         """Whether each hook the modules held when last compared is still in
         its table (NOTE [the hooks a graph ran])."""
         return hooks_still_in_place(self._hook_places)
-
-    def hook_tables(self) -> list[KeptTable]:
-        """A copy of each hook table (flags included) of the modules holding
-        the hooks ``hooks_in_place`` looks for, and of the global ones where
-        one is global (NOTE [a hook that removed itself in a value call] in
-        replayed_calls.py)."""
-        return hook_tables_holding(self._hook_places)
 
     def _children_now(self) -> list[Any]:
         """The table of children (``_modules``) of each module that held

@@ -63,7 +63,6 @@ from .module_hooks import (
     own_global_hooks,
     put_back_removed_hooks,
     recomputing_hook,
-    removals_elsewhere,
     remove_hooks_since,
 )
 from .random_state import random_state_kept
@@ -641,11 +640,8 @@ class TrialRun:
         self._nested_writes: list[StateWrites] = []
         # How many hooks the run removed (a hook that removes itself) and
         # put back as it ended (NOTE [hooks a trial run registers] in
-        # module_hooks.py), and how many another thread removed meanwhile,
-        # left out (NOTE [a hook removed on another thread during a trial
-        # run]); set once it has ended.
+        # module_hooks.py); set once it has.
         self.hooks_put_back = 0
-        self.hooks_removed_elsewhere = 0
 
     def note_nested(self, draws: bool, given_draws: int, writes: StateWrites) -> None:
         """Count what a jaxified call made inside the run does as the run's
@@ -936,20 +932,11 @@ def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()
     .data]); yields what records the attributes it rebound and the state it
     wrote. One at a time in the process (NOTE [one trial run at a time]).
     The hooks it removed from the modules it ran or refers to, and from the
-    global tables, are put back too, but those another thread removed
-    meanwhile; ``TrialRun.hooks_put_back`` counts them once it has ended,
-    and ``hooks_removed_elsewhere`` those left out (NOTE [hooks a trial run
-    registers], NOTE [a hook removed on another thread during a trial
-    run])."""
+    global tables, are put back too; ``TrialRun.hooks_put_back`` counts
+    them once it has ended (NOTE [hooks a trial run registers])."""
     under = modules_under(modules)  # walked once: what it keeps, and whose locks it holds
     # NOTE [waiting for a lock without the trial-run lock] in module_locks.py
-    # NOTE [a hook removed on another thread during a trial run] in module_hooks.py
-    with (
-        taken_after(_one_trial_run, locks_of(under)),
-        _in_trial_run(),
-        _data_swaps_undone(),
-        removals_elsewhere() as elsewhere,
-    ):
+    with taken_after(_one_trial_run, locks_of(under)), _in_trial_run(), _data_swaps_undone():
         caches = CachesKept()
         first_hook = hooks_numbered()
         hooks = hook_tables_kept(under)
@@ -970,9 +957,9 @@ def trial_run(dicts: Iterable[Any] = (), modules: Iterable[torch.nn.Module] = ()
             caches.take_back()
             # NOTE [hooks a trial run registers] in module_hooks.py
             remove_hooks_since(first_hook, [*under, *kept.seen_modules.values()])
-            put_back, left_out = put_back_removed_hooks(hooks, elsewhere)
+            put_back = put_back_removed_hooks(hooks)
             if run is not None:
-                run.hooks_put_back, run.hooks_removed_elsewhere = put_back, left_out
+                run.hooks_put_back = put_back
 
 
 def _keeping_hooks_of_others(

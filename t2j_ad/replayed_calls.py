@@ -174,7 +174,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .dropout_layouts import row_major_dropout
 from .functorch_levels import outside_transforms, unbatched_value
-from .module_hooks import HooksRemoved
 from .module_modes import NO_MODES, ModuleModes, modes_hold
 from .random_state import DrawWatch, GeneratorStatesKept, GeneratorStatesReplayed, unreplayable_given_draws
 from .state_writes import (
@@ -198,10 +197,6 @@ _effects_lock = threading.RLock()
 # around the pass running now, and how often the function has run in it
 # (NOTE [the generator around a graph]).
 _pass = threading.local()
-# Per thread: the hooks the value call a replaying call replays removed,
-# put back for each run of the function in that call (NOTE [a hook that
-# removed itself in a value call]).
-_replayed_hooks = threading.local()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -424,66 +419,41 @@ def keeping_and_replaying(base: BaseFn, seen: Effects) -> tuple[BaseFn, BaseFn]:
 # (``note_value_call``); its replay runs where the effects are still those.
 # A replay whose value call ran with other effects is refused as before:
 # the function changed between the two (a head the caller swapped, NOTE [a
-# submodule switched by its own forward] in module_structure.py), and the
-# replay would differentiate another function than the value's; a one-shot
-# hook that removed itself in the value call is put back for its replays
-# instead (NOTE [a hook that removed itself in a value call]). Only the
-# latest keeping call is noted: a
+# submodule switched by its own forward] in module_structure.py; a one-shot
+# hook that removed itself in the value call, NOTE [a hook that removed
+# itself in a value call]), and the replay would differentiate another
+# function than the value's. Only the latest keeping call is noted: a
 # replay of an earlier one with fewer effects than traced is refused, which
 # costs a refusal, never a wrong result.
 
 # NOTE [a hook that removed itself in a value call]
 # PyTorch's ``loss.backward()`` after the first call of a module with a
-# one-shot hook (an initialization from the first batch that then calls
-# ``handle.remove()``) differentiates the forward that ran the hook;
-# t2j_ad's derivative is a call of its own (NOTE [every derivative is a
-# PyTorch function] in torch_fn.py) that runs the forward again, after the
-# hook is gone, and would differentiate another function than the value's.
-# Such a replay was refused, naming the hook: the first step of
-# ``jax.jit(jax.value_and_grad(f))`` failed unless a plain call came first.
-# So a keeping call whose modules hold hooks copies their hook tables
-# (flags included: ``with_kwargs``, ``always_call``) before it runs, within
-# the trial-run lock, and notes with its token the hooks gone after it
-# (``module_hooks.hooks_removed``). A call replaying that token puts them
-# back in their places for its length (``hooks_back_for_replays``, holding
-# trial runs on other threads off), and again before each run of the
-# function within it (a loop over tangents, or a fallback, runs it more
-# than once, and the hook removes itself in the first run); it removes
-# those still there after it. The replay starts from the state the value
-# started from (the token), so the hook runs on the same inputs and state,
-# writes what it wrote (put back as every replay's writes are: NOTE
-# [derivatives do not write again] in state_writes.py) and removes itself
-# again: each derivative differentiates the forward the value ran, as
-# ``loss.backward()`` does, and the later steps run without the hook (NOTE
-# [fewer effects than a program was traced for]). In graph mode the
-# replay's trace meets the hook removing itself and runs that call eagerly,
-# once (NOTE [a hook that removed itself in a trace] in graph_mode.py).
-# What such a hook does besides tensors (a counter, a print) happens again
-# in each replay, as all Python of a replayed forward does. The copy costs
-# a dict copy per hook table of the modules that hold hooks, per keeping
-# call; nothing where none holds one. A one-shot hook of a function that
-# neither draws nor writes state it keeps (one that changes the output
-# once) has no keeping call to note it, and is not covered.
+# one-shot hook differentiates the forward that ran the hook; t2j_ad's
+# derivative is a call of its own (NOTE [every derivative is a PyTorch
+# function] in torch_fn.py) that runs the forward again, after the hook is
+# gone. Rather than a gradient of the forward without the hook, such a
+# replay is refused (NOTE [fewer effects than a program was traced for]),
+# and the message names the hook: a keeping call that finds a hook of its
+# modules gone after it ran notes that too. The first call is then best
+# made plain (``f(x)``), which runs the hook once, as PyTorch's first call.
+
 
 @dataclasses.dataclass(frozen=True)
 class _ValueCall:
     """The latest ``keeping`` call of a function: its token's bytes, the
     effects it ran with where they were fewer than traced for (else None),
-    and the hooks of its modules that removed themselves in it (else None)."""
+    and whether a hook of its modules removed itself in it."""
 
     token: bytes
     effects: Effects | None
-    removed_hooks: HooksRemoved | None
+    removed_hooks: bool
 
 
-def note_value_call(
-    base: BaseFn, token: torch.Tensor, fewer: Effects | None, removed_hooks: HooksRemoved | None
-) -> None:
+def note_value_call(base: BaseFn, token: torch.Tensor, fewer: Effects | None, removed_hooks: bool) -> None:
     """Note the ``keeping`` call of ``base``'s root that returned ``token``,
-    having run with the effects ``fewer`` than traced for, or None, and the
-    hooks that removed themselves in it, or None (NOTE [fewer effects than a
-    program was traced for], NOTE [a hook that removed itself in a value
-    call]); forget it where neither holds."""
+    having run with the effects ``fewer`` than traced for, or None, and
+    whether a hook removed itself in it (NOTE [fewer effects than a program
+    was traced for]); forget it where neither holds."""
     root = getattr(base, "effects_root", base)
     noted = _ValueCall(_token_bytes(token), fewer, removed_hooks) if fewer is not None or removed_hooks else None
     root.__dict__["latest_value_call"] = noted
@@ -497,37 +467,12 @@ def replays_with_fewer_effects(base: BaseFn, token: torch.Tensor, now: Effects) 
     return noted is not None and noted.effects is now and noted.token == _token_bytes(token)
 
 
-def hooks_its_value_call_removed(base: BaseFn, token: torch.Tensor) -> HooksRemoved | None:
-    """The hooks that removed themselves in the value call a replay of
-    ``base`` replays, where ``token`` is that of the latest ``keeping`` call
-    of its root and some did; else None (NOTE [a hook that removed itself
+def replays_a_call_that_removed_hooks(base: BaseFn, token: torch.Tensor) -> bool:
+    """Whether ``token`` is that of the latest ``keeping`` call of ``base``'s
+    root, in which a hook removed itself (NOTE [a hook that removed itself
     in a value call])."""
     noted = getattr(base, "effects_root", base).__dict__.get("latest_value_call")
-    if noted is None or noted.removed_hooks is None or noted.token != _token_bytes(token):
-        return None
-    return noted.removed_hooks
-
-
-@contextlib.contextmanager
-def hooks_back_for_replays(removed: HooksRemoved) -> Iterator[None]:
-    """Within the block, the hooks ``removed`` are back in their tables, and
-    are put back again for each run of a replaying function on this thread,
-    which a hook that removes itself takes out again (NOTE [a hook that
-    removed itself in a value call])."""
-    outer = getattr(_replayed_hooks, "removed", None)
-    _replayed_hooks.removed = removed
-    try:
-        with removed.put_back():
-            yield
-    finally:
-        _replayed_hooks.removed = outer
-
-
-def _hooks_back() -> contextlib.AbstractContextManager[Any]:
-    """Around one run of a replaying function: the hooks its value call
-    removed, back for this run, where its call put them back."""
-    removed: HooksRemoved | None = getattr(_replayed_hooks, "removed", None)
-    return contextlib.nullcontext() if removed is None else removed.put_back()
+    return noted is not None and noted.removed_hooks and noted.token == _token_bytes(token)
 
 
 def _token_bytes(token: torch.Tensor) -> bytes:
@@ -685,7 +630,7 @@ def _replaying(base: BaseFn, seen: Effects) -> BaseFn:
             if seen.given_draws
             else contextlib.nullcontext()
         )
-        with module_slots_entered(writes, bindings.starts, bindings.ends), _mask_layouts(seen), replayed, _hooks_back():
+        with module_slots_entered(writes, bindings.starts, bindings.ends), _mask_layouts(seen), replayed:
             if not seen.draws_random or _first_run_in_pass(key):  # else the runner set the generator
                 return fn(*args)
             if isinstance(plain, FakeTensor):

@@ -26,7 +26,6 @@ from .held_bindings import apart_from_the_call, bound_among, bound_now
 from .kept_inputs import CAN_MOVE, any_kept, kept_by_address, release_kept_inputs, unmovable_kept_input
 from .kept_inputs import references as kept_inputs_references
 from .malloc_tuning import tune_malloc
-from .module_hooks import hooks_removed
 from .module_locks import taken_after
 from .module_structure import StructureSeen
 from .real_writes import call_undone, one_trial_run, trial_running
@@ -37,9 +36,8 @@ from .replayed_calls import (
     effects_held,
     effects_now,
     generator_around,
-    hooks_back_for_replays,
-    hooks_its_value_call_removed,
     note_value_call,
+    replays_a_call_that_removed_hooks,
     replays_with_fewer_effects,
     token_input,
     traced_for,
@@ -1080,18 +1078,6 @@ class _RunnerWithEffects(_RunnerWatchingDraws):
             super()._run_again(inputs)
 
     def _run_once(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
-        # NOTE [a hook that removed itself in a value call] in replayed_calls.py:
-        # a replay of such a call runs with those hooks back, trial runs on
-        # other threads held off meanwhile.
-        at = token_input(self.base)
-        removed = hooks_its_value_call_removed(self.base, inputs[at]) if at is not None else None
-        if removed is None:
-            self._run_checked(inputs, outputs, stream)
-            return
-        with one_trial_run(), hooks_back_for_replays(removed):
-            self._run_checked(inputs, outputs, stream)
-
-    def _run_checked(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: int) -> None:
         # An order input (_Runner.n_in) trails the function's own: the
         # generator reads the token by its index, and _Runner drops it.
         # NOTE [fewer effects than a program was traced for] in replayed_calls.py
@@ -1100,25 +1086,20 @@ class _RunnerWithEffects(_RunnerWatchingDraws):
         fewer = None if now is None or now.same_as(traced) else now
         if fewer is not None:
             self._refuse_other_effects(inputs, fewer, traced)
+        # NOTE [a hook that removed itself in a value call] in replayed_calls.py
+        hooks_kept = now is not None and self.keeps_token and now.modes.hooks_in_place()
         call_effects = self.base.call_effects
         # On a GPU, the generator is handled in the nested call on XLA's stream.
         generator = self.generator if not stream else None
         if call_effects is None:
             call_effects = effects_held if self.draws_alone else contextlib.nullcontext
-        noting = now is not None and self.keeps_token
-        removed = None
         with one_trial_run() if self.holds_off_trial_runs else contextlib.nullcontext():
-            # NOTE [a hook that removed itself in a value call] in replayed_calls.py:
-            # compared within the trial-run lock, which trial runs that take
-            # hooks out for a while hold.
-            tables = now.modes.hook_tables() if noting and now.modes.hooks_in_place() else None
             with call_effects():
                 with generator.around(inputs, outputs) if generator is not None else contextlib.nullcontext():
                     _Runner.__call__(self, inputs, outputs, stream)
-            if tables:
-                removed = hooks_removed(tables)
         token_at = len(self.base.out_avals) - 1
-        if noting and len(outputs) > token_at:
+        if now is not None and self.keeps_token and len(outputs) > token_at:
+            removed = hooks_kept and not now.modes.hooks_in_place()
             note_value_call(self.base, outputs[token_at], fewer, removed)
 
     def _refuse_other_effects(self, inputs: Sequence[torch.Tensor], now: Effects, traced: Effects) -> None:
@@ -1128,6 +1109,15 @@ class _RunnerWithEffects(_RunnerWatchingDraws):
         (NOTE [fewer effects than a program was traced for] in
         replayed_calls.py)."""
         at = token_input(self.base)
+        if at is not None and replays_a_call_that_removed_hooks(self.base, inputs[at]):
+            raise TorchCallError(
+                f"{self.name}: a hook of the modules it runs removed itself in the value call whose derivative "
+                f"this is (a one-shot hook, such as an initialization from the first batch that then calls "
+                f"handle.remove()), so the derivative, which runs the function again, would run it without the "
+                f"hook and differentiate another function than the value's. Make the function's first call a "
+                f"plain one (f(x), outside jax.grad and jax.value_and_grad), which runs the hook once as "
+                f"PyTorch's first call does; its later derivatives run as the function is then."
+            )
         if now.within(traced):
             if at is None and self.keeps_token:
                 return
