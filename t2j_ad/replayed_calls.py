@@ -480,6 +480,45 @@ def _token_bytes(token: torch.Tensor) -> bytes:
         return token.detach().to("cpu", copy=True).numpy().tobytes()
 
 
+# NOTE [a value call checked before it runs]
+# A derivative that ``jax.jit`` traced while the function neither drew nor
+# updated state it keeps (its modules in eval mode) took the plain rules:
+# its value call is the function itself, its derivative the function with
+# Jvp or Vjp appended. After ``module.train()`` (a dropout's rate set, a
+# hook added, a name rebound) the derivative is refused, since it would
+# draw or update a second time (NOTE [fewer effects than a program was
+# traced for]); but the value call ran before it, as a plain call, and made
+# its updates and draws: two refused ``jax.jit(step)`` calls of Linear +
+# BatchNorm1d left ``num_batches_tracked`` at 2 and the running statistics
+# moved, and dropout's draws moved the generator, where a call refused
+# before its forward leaves them as they were. That value call returns no
+# token to put them back from (the program was traced without one), and a
+# plain call cannot tell a derivative's value call from a forward alone,
+# which after ``module.train()`` is PyTorch's own training-mode forward and
+# runs. So the JVP rule binds the value call of a function whose effects
+# it would find again after such a change (``effects_watched``: it runs
+# modules, or reads names it remembers) as ``TorchFn.checks_effects``: its
+# runner checks the effects as a derivative's does, and refuses the call,
+# before the forward runs, where the function now draws or updates state
+# (the error of the derivative, with the same advice). The module and the
+# generator are then left as the refused call found them. Same base and
+# transforms as the plain call: its graph in graph mode is the plain call's
+# (one trace), and the cost is that check per value call, as each
+# derivative call already pays (one lookup per module it ran). The
+# ``Vmap``s appended to it keep the mark; the derivatives do not need it.
+
+
+def effects_watched(base: BaseFn) -> bool:
+    """Whether ``base``'s effects are found again when the settings they
+    depend on change (the training flags of the modules it runs, or names it
+    reads: NOTE [a value call checked before it runs]); those of a function
+    given ``output_shapes=`` are never found."""
+    root = getattr(base, "effects_root", None) or base
+    seen = root.effects
+    structure = getattr(root, "structure", None)
+    return seen is not None and bool(seen.modes or (structure is not None and structure.watches_names()))
+
+
 def traced_for(base: BaseFn) -> Effects:
     """The effects the rules that bound a call of ``base`` saw: those a
     ``keeping`` or ``replaying`` function was made for, none for the

@@ -1181,7 +1181,8 @@ def _effect_duties(fun: TorchFn) -> tuple[bool, bool, bool]:
     # NOTE [a name rebound after a call]: a function that runs no module may
     # name a helper that is defined again.
     watched = bool(effects is not None and (effects.modes or _names_watched(fun) is not None))
-    checks_flags = watched and (derivative or variant)
+    # NOTE [a value call checked before it runs] in replayed_calls.py
+    checks_flags = watched and (derivative or variant or fun.checks_effects)
     # Its draws must not fall between a value call's read of the generator
     # and the value's own draws, nor within a replay (on another thread); a
     # trial run, which puts the generator back, must not fall within its own.

@@ -214,12 +214,20 @@ class BaseFn:
 
 @dataclasses.dataclass(frozen=True)
 class TorchFn:
-    """``base`` with ``transforms`` applied in order; avals of the result."""
+    """``base`` with ``transforms`` applied in order; avals of the result.
+
+    ``checks_effects``: the value call of a derivative, which the runtime
+    refuses before it runs where the function now draws or updates state
+    other than when the JVP rule bound it (NOTE [a value call checked
+    before it runs] in replayed_calls.py); kept by the ``Vmap``s appended
+    to it, not by derivatives (those check anyway).
+    """
 
     base: BaseFn
     transforms: tuple[Transform, ...]
     in_avals: tuple[Aval, ...]
     out_avals: tuple[Aval, ...]
+    checks_effects: bool = False
 
     @classmethod
     def of(cls, base: BaseFn) -> TorchFn:
@@ -227,11 +235,16 @@ class TorchFn:
 
     def append(self, transform: Transform) -> TorchFn:
         ins, outs = transform.avals(self.in_avals, self.out_avals)
-        return TorchFn(self.base, self.transforms + (transform,), ins, outs)
+        checks = self.checks_effects and isinstance(transform, Vmap)
+        return TorchFn(self.base, self.transforms + (transform,), ins, outs, checks)
+
+    def checking_effects(self) -> TorchFn:
+        """This function as the value call of a derivative (``checks_effects``)."""
+        return dataclasses.replace(self, checks_effects=True)
 
     def parent(self) -> TorchFn:
         """This function without its last transform."""
-        fun = TorchFn.of(self.base)
+        fun = TorchFn(self.base, (), self.base.in_avals, self.base.out_avals, self.checks_effects)
         for t in self.transforms[:-1]:
             fun = fun.append(t)
         return fun

@@ -391,13 +391,14 @@ def test_following_the_advice_after_train_traces_again(how):
 
     jax.block_until_ready(jax.jit(step)(params, _X))
     module.train()
+    twin = copy.deepcopy(module)
     for _ in range(2):  # a new jax.jit of the same step reuses its trace
         with pytest.raises(Exception, match="changed training mode") as refused:
             jax.block_until_ready(jax.jit(step)(params, _X))
     message = str(refused.value)
     assert "jax.clear_caches()" in message and "jax.jit(functools.partial(step))" in message
     assert "reuses the trace" in message
-    twin = copy.deepcopy(module)  # the refused calls' value calls updated the statistics
+    assert_tree_allclose(_state(module), _state(twin), rtol=0, atol=0)  # NOTE [a value call checked before it runs]
     if how == "clear_caches":
         jax.clear_caches()
         retraced = jax.jit(step)
@@ -406,6 +407,46 @@ def test_following_the_advice_after_train_traces_again(how):
     else:
         retraced = jax.jit(lambda *a: step(*a))
     _steps_match_pytorch(retraced, params, module, twin, [_X, _X * 0.5 + 1.0])
+
+
+def _generator_state() -> torch.Tensor:
+    return torch.cuda.get_rng_state(TORCH_DEVICE) if TORCH_DEVICE.type == "cuda" else torch.get_rng_state()
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_step_refused_after_train_leaves_the_module_and_the_generator_as_it_found_them(mode):
+    # NOTE [a value call checked before it runs]: traced in eval mode, the
+    # step's value call was a plain call, which ran after module.train()
+    # before its derivative was refused: two refused steps counted two
+    # batches, moved the running statistics and drew two dropout masks from
+    # the generator. Held against a twin that ran none of those calls, and
+    # then a step traced again against the twin's step by PyTorch's autograd.
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Dropout(0.5), torch.nn.BatchNorm1d(4))
+    module = module.to(TORCH_DEVICE).eval()
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
+
+    def step(p, x):
+        return jax.value_and_grad(lambda p: _square(apply(p, x)))(p)
+
+    jax.block_until_ready(jax.jit(step)(params, _X))
+    module.train()
+    twin = copy.deepcopy(module)
+    generator = _generator_state()
+    for _ in range(2):
+        with pytest.raises(Exception, match="changed training mode"):
+            jax.block_until_ready(jax.jit(step)(params, _X))
+    assert_tree_allclose(_state(module), _state(twin), rtol=0, atol=0)
+    assert torch.equal(_generator_state(), generator)  # as if the calls never ran
+    retraced = jax.jit(functools.partial(step))
+    torch.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        got = jax.block_until_ready(retraced(params, _X))
+    torch.manual_seed(5)
+    expected = _stepped_by_autograd(twin, _X, _square)
+    assert_tree_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert_tree_allclose(_state(module), _state(twin), rtol=1e-6, atol=1e-6)
 
 
 def test_a_jitted_derivative_traced_in_train_mode_runs_in_eval_mode():

@@ -29,7 +29,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from ..primitive import torch_call
-from ..replayed_calls import Effects, effects, keeping_and_replaying
+from ..replayed_calls import Effects, effects, effects_watched, keeping_and_replaying
 from ..torch_fn import Jvp, TorchFn, Vjp, Vmap
 
 
@@ -39,7 +39,9 @@ def torch_call_jvp(
     seen = effects(fun.base) if all(type(t) is Vmap for t in fun.transforms) else None
     if seen:
         return _jvp_replaying(primals, tangents, fun, seen)
-    return torch_call(primals, fun), _tangents(primals, tangents, fun)
+    # NOTE [a value call checked before it runs] in replayed_calls.py
+    value = fun.checking_effects() if seen is not None and effects_watched(fun.base) else fun
+    return torch_call(primals, value), _tangents(primals, tangents, fun)
 
 
 def _tangents(primals: Sequence[Any], tangents: Sequence[Any | None], fun: TorchFn) -> list[Any | None]:

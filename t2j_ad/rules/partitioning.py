@@ -139,6 +139,8 @@ def local_fun(fun: TorchFn, size: int) -> TorchFn:
     if fun.transforms and isinstance(fun.transforms[-1], Vmap):
         return fun.parent().append(dataclasses.replace(fun.transforms[-1], axis_size=size))
     local = TorchFn.of(_local_base(fun.base, size))
+    if fun.checks_effects:  # NOTE [a value call checked before it runs] in replayed_calls.py
+        local = local.checking_effects()
     for t in fun.transforms:
         local = local.append(t)
     return local
