@@ -82,7 +82,7 @@ from .output_buffers import (
 from .public_bindings import through_public_bindings
 from .random_state import SeedWatch, generators_in_use
 from .module_locks import locks_under, taken_after
-from .real_writes import one_trial_run, trial_run
+from .real_writes import one_trial_run, trial_run, undeclared_writes
 from .rules.fallbacks import first_line, provisional, warn_once
 from .trace_check import (
     FirstRunFailed,
@@ -285,6 +285,26 @@ def _storage_of(node: torch.fx.Node, storages: dict[torch.fx.Node, torch.fx.Node
         if target._schema.returns[0].alias_info is not None:
             aliased = next(iter(_written(node)), node.args[0] if node.args else None)
     return storages[aliased] if isinstance(aliased, torch.fx.Node) else node
+
+
+def constants_written(graph: torch.fx.GraphModule) -> list[torch.Tensor]:
+    """The tensors ``graph`` holds by reference (``graph_constants``) that its
+    ops write into, directly or through a view (a module's running
+    statistics): what its checked first run puts back where it raises (NOTE
+    [a first run that fails on its inputs])."""
+    storages: dict[torch.fx.Node, torch.fx.Node] = {}
+    found: dict[int, torch.Tensor] = {}
+    for node in graph.graph.nodes:
+        storages[node] = _storage_of(node, storages)
+        # batch norm's kernels write the running statistics unannounced
+        unannounced = [node.args[i] for i in undeclared_writes(node.target, node.args) if i < len(node.args)]
+        for written in (*_written(node), *unannounced):
+            owner = storages.get(written) if isinstance(written, torch.fx.Node) else None
+            if owner is not None and owner.op == "get_attr":
+                value = operator.attrgetter(owner.target)(graph)
+                if isinstance(value, torch.Tensor):
+                    found[id(value)] = value
+    return list(found.values())
 
 
 def _draws(node: torch.fx.Node) -> bool:
@@ -589,7 +609,14 @@ class UncheckedGraph(Artifact):
 # ``compile_stats()`` counts an unchecked graph neither as a graph nor as
 # an eager fallback (its trace's seconds count). What the failed run wrote
 # into tensors the function keeps before it raised (a module's running
-# statistics) is not put back before the eager run.
+# statistics, its batch count) was not put back before the eager run, which
+# wrote them again: two batches counted for one call, where
+# ``compile="eager"`` counts one. So the first run notes, before it runs,
+# the values of the tensors the graph holds and writes into
+# (``constants_written``: an op's written arguments by its schema, through
+# views, and batch norm's running statistics, which its kernels write
+# unannounced), and puts them back where it raises, before the eager run,
+# whether eager then works or raises too.
 
 
 def _build_artifact(
@@ -638,7 +665,8 @@ def _checked_artifact(
     graph, held, layouts = traced.graph, traced.held, traced.layouts
     constants = WrittenConstants(graph) if mode == "inductor" else None
     try:
-        first, dropped = checked_first_run(impl, graph, inputs, grad_enabled)  # NOTE [checking a trace against eager]
+        # NOTE [checking a trace against eager]; NOTE [a first run that fails on its inputs]
+        first, dropped = checked_first_run(impl, graph, inputs, grad_enabled, constants_written(graph))
     except FirstRunNotUndone as err:  # eagerly from the next call; this one fails
         return Artifact(None, f"on its first call it {err.reason}", traced=True), err
     except FirstRunFailed as err:  # NOTE [a first run that fails on its inputs]

@@ -83,7 +83,7 @@ _UNDECLARED_WRITES = {
 _TRAINING_ARGUMENT = 5
 
 
-def _undeclared_writes(func, args: tuple[Any, ...]) -> tuple[int, ...]:  # noqa: ANN001
+def undeclared_writes(func, args: tuple[Any, ...]) -> tuple[int, ...]:  # noqa: ANN001
     """The arguments ``func`` writes without its schema saying so."""
     written = _UNDECLARED_WRITES.get(func, ())
     if written and not (len(args) > _TRAINING_ARGUMENT and args[_TRAINING_ARGUMENT]):
@@ -132,7 +132,7 @@ class RealWritesUndone(TorchDispatchMode):
         kwargs = kwargs or {}
         schema = func._schema.arguments
         marked = [i for i, argument in enumerate(schema) if argument.alias_info and argument.alias_info.is_write]
-        for i in (*marked, *_undeclared_writes(func, args)):
+        for i in (*marked, *undeclared_writes(func, args)):
             argument = args[i] if i < len(args) else kwargs.get(schema[i].name)
             # A list for the foreach ops (torch._foreach_lerp_ of EMA weights).
             for written in argument if isinstance(argument, (list, tuple)) else (argument,):

@@ -23,7 +23,9 @@ graph that agrees keeps the first run's results and state; one that
 disagrees is dropped, the call returns the eager results, and the function
 runs eagerly from then on, announced by the usual FallbackWarning. Where the
 first run has written to tensors the function closes over (a module's
-running statistics: their version counters moved), that state cannot be set
+running statistics: their version counters moved, or their values, for
+the tensors the graph writes into, as batch norm's kernels do without
+moving the counters), that state cannot be set
 back: eager and a second graph run are then compared from the state the
 first run left, which is put back after each, and a graph that disagrees
 fails that one call (``FirstRunNotUndone``) rather than hand back results
@@ -174,18 +176,32 @@ class FirstRunFailed(Exception):
 
 
 class _State:
-    """The random generators of the CPU and of ``devices``, and ``tensors``'
-    values, as they are now: ``restore()`` sets them back."""
+    """The random generators of the CPU (unless ``generators`` is False) and
+    of ``devices``, and ``tensors``' values, as they are now: ``restore()``
+    sets them back."""
 
-    def __init__(self, devices: Sequence[int], tensors: Sequence[torch.Tensor] = ()):
+    def __init__(self, devices: Sequence[int], tensors: Sequence[torch.Tensor] = (), generators: bool = True):
         self.devices = devices
         self.tensors = tensors
-        self.cpu = torch.get_rng_state()
+        self.cpu = torch.get_rng_state() if generators else None
         self.cuda = [torch.cuda.get_rng_state(d) for d in devices]
         self.values = [t.detach().clone() for t in tensors]
 
+    def changed(self, exclude: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+        """Those of ``tensors`` whose values changed since, but those in
+        ``exclude``: batch norm's kernels write its running statistics
+        without moving their version counters, which ``WrittenConstants``
+        reads."""
+        excluded = {id(t) for t in exclude}
+        return [
+            tensor
+            for tensor, value in zip(self.tensors, self.values)
+            if id(tensor) not in excluded and not torch.equal(tensor, value)
+        ]
+
     def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
+        if self.cpu is not None:
+            torch.set_rng_state(self.cpu)
         for device, state in zip(self.devices, self.cuda):
             torch.cuda.set_rng_state(state, device)
         with torch.no_grad():
@@ -194,17 +210,25 @@ class _State:
 
 
 def checked_first_run(
-    impl: Flat, graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor], grad_enabled: bool
+    impl: Flat,
+    graph: torch.fx.GraphModule,
+    inputs: Sequence[torch.Tensor],
+    grad_enabled: bool,
+    kept: Sequence[torch.Tensor] = (),
 ) -> tuple[Any, str | None]:
     """The first call of ``graph``, traced from ``impl`` (the eager callable,
     run with grad mode ``grad_enabled``), on ``inputs``: its results, and why
     the graph must be dropped (the results are then ``impl``'s), or None
     (NOTE [checking a trace against eager]). Raises ``FirstRunNotUndone``
     when the graph is wrong but its first run has already updated state,
-    and ``FirstRunFailed`` when the first run raises."""
+    and ``FirstRunFailed`` when the first run raises, after putting back
+    what it wrote into ``kept`` (the tensors the graph holds and writes
+    into: NOTE [a first run that fails on its inputs] in graph_mode.py),
+    whose values also show the writes no version counter saw."""
     devices = sorted({t.device.index or 0 for t in inputs if t.is_cuda})
     constants = WrittenConstants(graph)
     before = _State(devices)
+    kept_before = _State((), kept, generators=False)
     try:
         results, diverged = run_checking_layouts(graph, inputs)
     except Exception as error:  # noqa: BLE001 - eager's run on the inputs says whose error it is
@@ -212,10 +236,11 @@ def checked_first_run(
     else:
         failed = None
     if failed is not None:
+        kept_before.restore()  # the eager run starts from the state the failed run started from
         _run_eagerly_after(failed, impl, inputs, grad_enabled, before)
     if diverged is None:
         return results, None
-    written = constants.since()
+    written = constants.since() + kept_before.changed(exclude=constants.since())
 
     def eager() -> Any:
         with torch.autograd.set_grad_enabled(grad_enabled):
