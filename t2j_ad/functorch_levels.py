@@ -239,6 +239,44 @@ def wrapped_layers(t: torch.Tensor) -> Iterator[torch.Tensor]:
         yield t
 
 
+def jvp_tangent(t: torch.Tensor) -> torch.Tensor | None:
+    """The tangent that the innermost ``torch.func`` level, a ``jvp`` level,
+    holds for ``t`` (at ``t``'s layer of that level), or None where it holds
+    none. ``t`` may come from levels above that have already ended (a
+    backward's gradient, kept by a hook of the reverse pass the ``jvp``
+    ran): their dead wrappers are passed over. Read while another level is
+    on top, the tangent would not be seen (under a gradient level) or the
+    read would fail (under a batching level): NOTE [a reverse pass
+    differentiated in forward mode] in rules/fallbacks.py."""
+    functorch = torch._C._functorch  # private
+    top = functorch.peek_interpreter_stack()
+    if top is None or top.key() != functorch.TransformType.Jvp:
+        return None
+    level = top.level()
+    layer = next((x for x in wrapped_layers(t) if functorch.maybe_get_level(x) == level), None)
+    return None if layer is None else torch.autograd.forward_ad.unpack_dual(layer).tangent
+
+
+def with_graphs_recorded(fn: Flat, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``fn(*tensors)``, run inside a gradient level of its own at which
+    each floating-point or complex tensor of ``tensors`` requires grad: all
+    that ``fn`` computes from them records its autograd graph at that level,
+    which no backward ever runs (``torch.func.vjp`` without its pullback).
+    The outputs come back below the level."""
+    floats = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
+    if not floats:
+        return fn(*tensors)
+
+    def on_floats(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        full = list(tensors)
+        for i, v in zip(floats, values):
+            full[i] = v
+        return fn(*full)
+
+    outs, _ = torch.func.vjp(on_floats, *[tensors[i] for i in floats])
+    return tuple(outs)
+
+
 def innermost_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor under all of ``t``'s ``torch.func`` wrappers, ``torch.vmap``'s
     included (then one value per example, along a batch dimension). A

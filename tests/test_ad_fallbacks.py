@@ -729,6 +729,228 @@ def test_reverse_over_reverse_through_a_differentiable_backward_with_zero_gradie
                 )
 
 
+# ------------------------------ forward over reverse through such a backward
+# NOTE [a reverse pass differentiated in forward mode] in
+# t2j_ad/rules/fallbacks.py. jax.hessian runs the reverse pass under
+# torch.func.jvp, each backward on dual numbers: a Function's jvp
+# staticmethod never applies to its backward, and one that drops its
+# gradient lost the part of the second derivative through it, silently (as
+# torch.func.hessian does).
+
+
+class NumpyBackwardSinWithJvp(torch.autograd.Function):
+    """sin with setup_context and a jvp, its backward in NumPy (torch.func.jvp
+    cannot read its tensors: the double-vjp trick runs instead)."""
+
+    @staticmethod
+    def forward(x):
+        return torch.sin(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return torch.from_numpy(np.cos(to_numpy(x.detach())) * to_numpy(grad.detach())).to(x.device)
+
+    @staticmethod
+    def jvp(ctx, x_t):
+        (x,) = ctx.saved_tensors
+        return torch.cos(x) * x_t
+
+
+class DetachedGradientDoubleWithJvp(torch.autograd.Function):
+    """2x with a jvp, its backward ``grad.detach() * 2``: a result with no
+    tangent at all."""
+
+    @staticmethod
+    def forward(x):
+        return 2 * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.detach() * 2
+
+    @staticmethod
+    def jvp(ctx, x_t):
+        return 2 * x_t
+
+
+DROPPING_BACKWARDS_WITH_A_JVP = {
+    DetachedGradientSinWithJvp: jnp.sin,
+    NumpyBackwardSinWithJvp: jnp.sin,
+    DetachedGradientDoubleWithJvp: lambda x: 2 * x,
+}
+
+FORWARD_OVER_REVERSE = {
+    "hessian": lambda loss: jax.hessian(loss)(X),
+    "jacfwd(grad)": lambda loss: jax.jacfwd(jax.grad(loss))(X),
+    "jvp(grad)": lambda loss: jax.jvp(jax.grad(loss), (X,), (V,))[1],
+    "vmap(hessian)": lambda loss: jax.vmap(jax.hessian(loss))(X_BATCH),
+    "jit(hessian)": lambda loss: jax.jit(jax.hessian(loss))(X),
+}
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("transform", list(FORWARD_OVER_REVERSE))
+@pytest.mark.parametrize("function", list(DROPPING_BACKWARDS_WITH_A_JVP), ids=lambda c: c.__name__)
+def test_forward_over_reverse_through_a_backward_that_drops_its_gradient_is_refused_not_wrong(
+    function, transform, mode
+):
+    # (sin(x)**2).sum(): jax.hessian lost the 2 cos(x)**2 that goes through
+    # sin's backward (torch.func.hessian loses it too), with no error.
+    loss = t2j_ad.jaxify(lambda x: (function.apply(x) ** 2).sum(), compile=mode)
+    reference = DROPPING_BACKWARDS_WITH_A_JVP[function]
+    reference_loss = lambda x: (reference(x) ** 2).sum()  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # the fallbacks, announced
+        # First order needs no derivative of the backward: right, eagerly and batched.
+        assert_tree_allclose(jax.grad(loss)(X), jax.grad(reference_loss)(X), rtol=1e-5)
+        assert_tree_allclose(jax.jvp(loss, (X,), (V,)), jax.jvp(reference_loss, (X,), (V,)), rtol=1e-5)
+        assert_tree_allclose(jax.vmap(jax.grad(loss))(X_BATCH), jax.vmap(jax.grad(reference_loss))(X_BATCH), rtol=1e-5)
+        refusal = (
+            f"forward mode over the reverse pass of .* backward of {function.__name__} "
+            "is not differentiable in its incoming gradient"
+        )
+        with pytest.raises(Exception, match=refusal) as refused:
+            jax.block_until_ready(FORWARD_OVER_REVERSE[transform](loss))
+    assert "with differentiable torch ops on the incoming gradient" in str(refused.value)
+    assert f"{function.__name__}'s jvp staticmethod does not help here" in str(refused.value)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_forward_over_reverse_in_a_gradient_scaled_by_another_input_through_such_a_backward_is_refused(mode):
+    # The gradient reaching the backward is w, a closed-over input of the
+    # inner reverse pass: d/dw of the gradient in x came out zero (no tangent
+    # reaches the result), the mixed block of the full Hessian lost cos(x).
+    f = t2j_ad.jaxify(lambda x, w: (DetachedGradientSinWithJvp.apply(x) * w).sum(), compile=mode)
+    w = V * 3
+    refusal = "backward of DetachedGradientSinWithJvp is not differentiable in its incoming gradient"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        with pytest.raises(Exception, match=refusal):
+            jax.block_until_ready(jax.jacfwd(lambda w: jax.grad(f)(X, w))(w))
+        with pytest.raises(Exception, match=refusal):
+            jax.block_until_ready(jax.hessian(f, (0, 1))(X, w))
+
+
+class SinWithUnusedInputAndJvp(SinWithUnusedInput):
+    """SinWithUnusedInput with a jvp: forward mode over its reverse pass runs
+    its backward on dual numbers, where None, an integer output and a
+    gradient cut by round are nothing dropped."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def jvp(ctx, x_t, scale_t):
+        (x,) = ctx.saved_tensors
+        return torch.cos(x) * x_t, None
+
+
+class ReluWithJvp(torch.autograd.Function):
+    """relu, its backward ``g * (x > 0)``: a derivative that is truly zero
+    in x, and linear in g."""
+
+    @staticmethod
+    def forward(x):
+        return torch.relu(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * (x > 0)
+
+    @staticmethod
+    def jvp(ctx, x_t):
+        (x,) = ctx.saved_tensors
+        return x_t * (x > 0)
+
+
+class NoGradBackwardSinWithJvp(DetachedGradientSinWithJvp):
+    """sin with a jvp, its backward under ``@torch.no_grad()``: forward AD goes
+    through no_grad, so forward mode over its reverse pass is right."""
+
+    @staticmethod
+    @torch.no_grad()
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return torch.cos(x) * grad
+
+
+def with_jvp_functions(x, w):
+    """(sin(x)**2 through a differentiable backward) + relu(x)**3 + sin(x)**2
+    through a no_grad backward, scaled by w, and sin_with_zero_gradients'
+    outputs (a None gradient, an integer output, round) through
+    SinWithUnusedInputAndJvp."""
+    y, count = SinWithUnusedInputAndJvp.apply(x, w)
+    rounded = torch.round(SinWithUnusedInputAndJvp.apply(x, w)[0] * 3)
+    smooth = (y**2).sum() + (ReluWithJvp.apply(x) ** 3).sum() + (NoGradBackwardSinWithJvp.apply(x) ** 2 * w).sum()
+    return smooth + (rounded * x).sum() + count.to(x.dtype) * 0
+
+
+def with_jvp_functions_reference(x, w):
+    y = jnp.sin(x)
+    smooth = (y**2).sum() + (jnp.maximum(x, 0) ** 3).sum() + (jnp.sin(x) ** 2 * w).sum()
+    return smooth + (jnp.round(y * 3) * x).sum() + (x > 0).sum().astype(x.dtype) * 0
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_forward_over_reverse_through_differentiable_backwards_with_a_jvp_is_right(mode, x64):
+    # Nothing is dropped: no refusal, and every second derivative matches jax.numpy.
+    f = t2j_ad.jaxify(with_jvp_functions, compile=mode)
+    x, w = jnp.array([0.3, -1.2, 2.0]), jnp.array([1.5, -0.5, 0.25])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # the sequential loop, announced
+        for argnums in (0, 1, (0, 1)):
+            assert_tree_allclose(
+                jax.hessian(f, argnums)(x, w), jax.hessian(with_jvp_functions_reference, argnums)(x, w), rtol=1e-12
+            )
+        assert_tree_allclose(
+            jax.jvp(lambda x: jax.grad(f)(x, w), (x,), (V[:3].astype(x.dtype),)),
+            jax.jvp(lambda x: jax.grad(with_jvp_functions_reference)(x, w), (x,), (V[:3].astype(x.dtype),)),
+            rtol=1e-12,
+        )
+        xs = jnp.stack([x, x / 2 - 0.3])
+        assert_tree_allclose(
+            jax.jit(jax.vmap(jax.hessian(f), (0, None)))(xs, w),
+            jax.vmap(jax.hessian(with_jvp_functions_reference), (0, None))(xs, w),
+            rtol=1e-12,
+        )
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_forward_over_reverse_that_loses_nothing_through_a_backward_that_drops_its_gradient_is_right(mode):
+    # jax.jacfwd in w of jax.grad in x: the gradient reaching the backward
+    # (2 sin(x)) carries no tangent in w, so nothing goes through it.
+    f = t2j_ad.jaxify(lambda x, w: (DetachedGradientSinWithJvp.apply(x) ** 2).sum() + (w * x**2).sum(), compile=mode)
+    expected = lambda x, w: (jnp.sin(x) ** 2).sum() + (w * x**2).sum()  # noqa: E731
+    w = V * 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        assert_tree_allclose(
+            jax.jacfwd(lambda w: jax.grad(f)(X, w))(w), jax.jacfwd(lambda w: jax.grad(expected)(X, w))(w), rtol=1e-5
+        )
+        # The gradient reaching the backward is a constant: its part through x is in torch ops.
+        g = t2j_ad.jaxify(lambda x: DetachedGradientSinWithJvp.apply(x).sum(), compile=mode)
+        assert_tree_allclose(jax.hessian(g)(X), jax.hessian(lambda x: jnp.sin(x).sum())(X), rtol=1e-5)
+
+
 # ------------------------------------------------------- NumpySort/NumpyTake
 # From "Extending torch.func with autograd.Function", Example 1 with the vmap
 # staticmethods of "Defining the vmap staticmethod". (The guide's second

@@ -286,6 +286,16 @@ def _once_differentiable_in(outs: Any, without_jvp: bool = False) -> str | None:
     return None
 
 
+# What a refused second derivative is, for its message: forward mode by the
+# double-vjp trick (a backward that dropped its cotangent there makes it
+# zero), reverse mode over a reverse pass (NOTE [a reverse pass
+# differentiated again]), forward mode over a reverse pass (NOTE [a reverse
+# pass differentiated in forward mode]).
+_FORWARD_OVER_REVERSE = "forward"
+_REVERSE_OVER_REVERSE = "reverse"
+_JVP_OVER_REVERSE = "jvp of a reverse pass"
+
+
 def reverse_mode(
     fn: Callable[..., tuple[torch.Tensor, ...]],
     primals: Sequence[torch.Tensor],
@@ -294,22 +304,29 @@ def reverse_mode(
     base: Any,
     key: Any,
     over_reverse: bool = False,
+    second_derivative: str = _REVERSE_OVER_REVERSE,
 ) -> tuple[torch.Tensor, ...]:
     """Cotangents of ``primals``: ``torch.func.vjp`` (NOTE [functorch levels]), else ``autograd.grad``.
     ``over_reverse``: ``fn`` holds a reverse pass (a gradient of a gradient), whose backwards are
-    watched while this pass differentiates them (NOTE [a reverse pass differentiated again])."""
-    differentiated = _inputs_differentiated_now()
+    watched while this pass differentiates them (NOTE [a reverse pass differentiated again]), and
+    refused as ``second_derivative`` says (the double-vjp trick over a reverse pass is forward mode).
+    Run inside forward mode over a reverse pass, this pass's backwards are watched for it (NOTE [a
+    reverse pass differentiated in forward mode])."""
+    differentiated, kind = _differentiated_now()
+    watches = _tangent_watches_now()
     if over_reverse:
-        fn = _differentiating(fn)
-    if not differentiated:
+        fn = _differentiating(fn, second_derivative)
+    if not differentiated and not watches:
         return _reverse_pass(fn, primals, cotangents, base=base, key=key)
     dropped: list[type] = []  # Functions whose backward dropped a cotangent an outer pass differentiates
-    reaching = _ReachingInputs(differentiated)
+    reaching = _ReachingInputs(differentiated) if differentiated else None
     try:
-        grads = _reverse_pass(_watching_backwards(fn, dropped, reaching), primals, cotangents, base=base, key=key)
+        watched = _watching_backwards(fn, dropped if reaching else None, reaching, watches)
+        grads = _reverse_pass(watched, primals, cotangents, base=base, key=key)
     finally:
-        reaching.end()
-    _refuse_dropped_cotangent(base, dropped, second_derivative=_REVERSE_OVER_REVERSE)
+        if reaching is not None:
+            reaching.end()
+    _refuse_dropped_cotangent(base, dropped, second_derivative=kind)
     return grads
 
 
@@ -353,8 +370,11 @@ def double_vjp_jvp(
     *,
     base: Any,
     key: Any,
+    over_reverse: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """``J t`` from reverse mode alone (see NOTE [fallbacks])."""
+    """``J t`` from reverse mode alone (see NOTE [fallbacks]). ``over_reverse``:
+    ``fn`` holds a reverse pass, which the pullback differentiates in reverse
+    mode, watched as NOTE [a reverse pass differentiated again] says."""
     if decisions(base).get(("once differentiable", key)):
         with torch.enable_grad():
             outs = fn(*primals)
@@ -364,7 +384,10 @@ def double_vjp_jvp(
     dropped: list[type] = []  # Functions whose backward dropped its cotangent, this call
 
     def pullback(*u: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        grads = reverse_mode(_watching_backwards(fn, dropped), primals, u, base=base, key=key)
+        watched = _watching_backwards(fn, dropped)
+        grads = reverse_mode(
+            watched, primals, u, base=base, key=key, over_reverse=over_reverse, second_derivative=_JVP_OVER_REVERSE
+        )
         _refuse_once_differentiable(base, key, grads)
         _refuse_dropped_cotangent(base, dropped)
         return grads
@@ -423,26 +446,29 @@ def _graph_nodes(tensors: Iterable[Any]) -> Iterator[Any]:
 # double-vjp trick's own watch) pay nothing for it.
 
 # The inputs that reverse passes running over a reverse pass differentiate,
-# per thread (NOTE [a reverse pass differentiated again]).
+# and what the innermost of them computes (``_REVERSE_OVER_REVERSE``, or
+# ``_JVP_OVER_REVERSE`` for the double-vjp trick's pullback), per thread
+# (NOTE [a reverse pass differentiated again]).
 _differentiated = threading.local()
 
 
-def _inputs_differentiated_now() -> tuple[torch.Tensor, ...]:
-    return getattr(_differentiated, "inputs", ())
+def _differentiated_now() -> tuple[tuple[torch.Tensor, ...], str]:
+    return getattr(_differentiated, "inputs", ()), getattr(_differentiated, "kind", _REVERSE_OVER_REVERSE)
 
 
-def _differentiating(fn: Callable[..., tuple[torch.Tensor, ...]]) -> Callable[..., tuple[torch.Tensor, ...]]:
-    """``fn``, noting while it runs the inputs its caller differentiates:
-    the reverse passes it runs are watched (NOTE [a reverse pass
-    differentiated again])."""
+def _differentiating(fn: Callable[..., tuple[torch.Tensor, ...]], kind: str) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """``fn``, noting while it runs the inputs its caller differentiates
+    and ``kind``: the reverse passes it runs are watched (NOTE [a reverse
+    pass differentiated again])."""
 
     def differentiating(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outer = _inputs_differentiated_now()
+        outer, outer_kind = _differentiated_now()
         _differentiated.inputs = outer + tuple(x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad)
+        _differentiated.kind = kind
         try:
             return fn(*xs)
         finally:
-            _differentiated.inputs = outer
+            _differentiated.inputs, _differentiated.kind = outer, outer_kind
 
     return differentiating
 
@@ -486,24 +512,34 @@ def _differentiating(fn: Callable[..., tuple[torch.Tensor, ...]]) -> Callable[..
 
 
 def _watching_backwards(
-    fn: Callable[..., tuple[torch.Tensor, ...]], dropped: list[type], reaching: _ReachingInputs | None = None
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+    dropped: list[type] | None,
+    reaching: _ReachingInputs | None = None,
+    tangent_watches: Sequence[_TangentWatch] = (),
 ) -> Callable[..., tuple[torch.Tensor, ...]]:
     """``fn``, with a hook on every autograd.Function node behind its
-    outputs that appends to ``dropped`` the Function whose backward
-    dropped its cotangent (NOTE [a backward that drops its cotangent]);
-    with ``reaching``, a cotangent counts only where it reaches the inputs
-    an outer reverse pass differentiates (NOTE [a reverse pass
-    differentiated again])."""
+    outputs that appends to ``dropped`` (unless None) the Function whose
+    backward dropped its cotangent (NOTE [a backward that drops its
+    cotangent]); with ``reaching``, a cotangent counts only where it reaches
+    the inputs an outer reverse pass differentiates (NOTE [a reverse pass
+    differentiated again]). Each node is also shown to each of
+    ``tangent_watches``: forward mode over this reverse pass (NOTE [a
+    reverse pass differentiated in forward mode])."""
 
     def watching(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        dropped.clear()  # a retry (torch.autograd.grad after torch.func refused) starts afresh
+        if dropped is not None:
+            dropped.clear()  # a retry (torch.autograd.grad after torch.func refused) starts afresh
         outs = fn(*xs)
         for node in _graph_nodes(outs if isinstance(outs, (tuple, list)) else (outs,)):
             function = functorch_levels.user_function(getattr(node, "_forward_cls", None))
-            if function is not None:
+            if function is None:
+                continue
+            if dropped is not None:
                 # Looked at now, not in the hook: a hook holding its node would keep the graph alive.
                 reads = reaching is not None and _once_differentiable_reads(node, function, reaching)
                 node.register_hook(_dropped_cotangent_hook(function, dropped, reaching, reads))
+            for watch in tangent_watches:
+                watch.watch(node, function)
         return outs
 
     return watching
@@ -575,10 +611,6 @@ def _reaches(tensors: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -
     )
 
 
-_FORWARD_OVER_REVERSE = "forward"
-_REVERSE_OVER_REVERSE = "reverse"
-
-
 class _ReachingInputs:
     """Whether a tensor's autograd graph, at any ``torch.func`` level, holds
     one of ``inputs`` (as ``_reaches``), each node's answer remembered for
@@ -646,6 +678,8 @@ def _refuse_dropped_cotangent(
     once_differentiable = getattr(getattr(function, "backward", None), "__code__", None) is _ONCE_DIFFERENTIABLE_CODE
     if second_derivative == _REVERSE_OVER_REVERSE:
         raise _reverse_over_reverse_error(base, function.__name__, once_differentiable)
+    if second_derivative == _JVP_OVER_REVERSE:
+        raise _jvp_over_reverse_error(base, function, on_dual_numbers=False)
     if once_differentiable:
         raise _once_differentiable_error(base, function.__name__)
     raise RuntimeError(
@@ -747,12 +781,17 @@ def forward_mode(
     """Output tangents: ``torch.func.jvp``, else the double-vjp trick.
     ``over_reverse``: ``fn`` holds a reverse pass (a Hessian's inner
     gradient), refused if that pass runs a ``@once_differentiable``
-    backward (``_refuse_marked_reverse_pass``)."""
+    backward (``_refuse_marked_reverse_pass``) or a backward that drops
+    its incoming gradient (NOTE [a reverse pass differentiated in forward
+    mode])."""
     decided = decisions(base)
     out_tangents = None
     if decided.get(("jvp", key)) != "double_vjp":
         try:
-            out_tangents = tuple(torch.func.jvp(fn, tuple(primals), tuple(tangents))[1])
+            if over_reverse:
+                out_tangents = _jvp_over_reverse(fn, primals, tangents, base=base, key=key)
+            else:
+                out_tangents = tuple(torch.func.jvp(fn, tuple(primals), tuple(tangents))[1])
         except (RuntimeError, NotImplementedError) as err:
             if not _refused(err, _FORWARD_REFUSALS):
                 raise
@@ -775,10 +814,218 @@ def forward_mode(
                 f"reverse passes.{advice}",
             )
     if out_tangents is None:
-        out_tangents = double_vjp_jvp(fn, primals, tangents, base=base, key=key)
+        out_tangents = double_vjp_jvp(fn, primals, tangents, base=base, key=key, over_reverse=over_reverse)
     if over_reverse:
         _refuse_marked_reverse_pass(base)
     return out_tangents
+
+
+# NOTE [a reverse pass differentiated in forward mode]
+# Forward mode over a reverse pass (``jax.hessian``, ``jax.jacfwd`` or
+# ``jax.jvp`` of ``jax.grad``, batched or not: a TorchFn ``... + Vjp + ... +
+# Jvp``) runs the reverse pass under ``torch.func.jvp``, each
+# autograd.Function's backward included, on dual numbers: a Function's
+# ``jvp`` staticmethod gives the tangent of its forward, never of its
+# backward. A backward that leaves forward AD on its way from its incoming
+# gradient ``g`` to its result (``g.detach()``, NumPy) drops ``g``'s tangent,
+# which depends on the Jvp's inputs (``2 cos(x)`` for ``sin(x)**2``), and the
+# second derivative lost that part, with no error, as PyTorch's own
+# ``torch.func.hessian`` does. (Where ``torch.func.jvp`` refuses the pass, the
+# double-vjp trick differentiates it in reverse mode, watched as NOTE [a
+# reverse pass differentiated again] says.) So each reverse pass run inside
+# such a ``jvp`` is watched with the double-vjp trick's walk: a hook on each
+# custom Function node keeps the cotangents the backward was given and its
+# results (a tangent cannot be read while the reverse pass's gradient level
+# is on top), and once the pass is over, with the ``jvp`` level innermost
+# again, their tangents (``forward_ad.unpack_dual``) go through the same
+# test as NOTE [a backward that drops its cotangent], on the tangents in
+# place of the tensors: the backward dropped a cotangent that has a tangent
+# when no float result's tangent depends on that tangent. The dependence is
+# seen in an autograd graph: the ``jvp`` runs inside a gradient level of its
+# own at which the tangents it is given require grad
+# (``functorch_levels.with_graphs_recorded``), so every tangent computed from
+# them records how. A result with no tangent at all dropped it
+# (``g.detach() * 2``, a tensor made anew; a backward that reads a tensor's
+# memory, NumPy, makes ``torch.func.jvp`` refuse, and the double-vjp trick
+# runs instead); one whose tangent records no graph was computed with
+# grad mode off (``@torch.no_grad()``, ``@once_differentiable``), which does
+# not stop forward AD: its tangent is right and is let through (a backward
+# under ``no_grad`` that also detaches ``g`` is then not seen). Recording
+# costs a level and a node per op, so a ``jvp`` starts without it, and the
+# first custom Function node its reverse pass meets stops that run
+# (``_TangentsNotRecorded``); the ``jvp`` runs again recording, and so does
+# every later call of that transform (a decision kept on the function, so
+# graph-mode traces keep it too). A ``jvp`` over a reverse pass through no
+# autograd.Function pays one walk of that pass's graph.
+
+
+class _TangentsNotRecorded(Exception):
+    """Raised where a ``jvp`` over a reverse pass that records no tangent
+    graphs meets an autograd.Function's backward: run it again recording
+    (NOTE [a reverse pass differentiated in forward mode]). Not a
+    RuntimeError, which the fallbacks would take for PyTorch's refusal."""
+
+    def __init__(self, watch: _TangentWatch):
+        super().__init__("t2j_ad: forward mode over a reverse pass runs again with its tangents' graphs recorded")
+        self.watch = watch
+
+
+class _TangentWatch:
+    """The backwards that the reverse passes inside one ``jvp`` ran, with
+    the cotangents they were given and their results (NOTE [a reverse pass
+    differentiated in forward mode])."""
+
+    def __init__(self, recording: bool):
+        self.recording = recording
+        self.backwards: list[tuple[type, tuple[Any, ...], tuple[Any, ...]]] = []
+        self.ended = False
+
+    def watch(self, node: Any, function: type) -> None:
+        """Keep what ``node``'s backward is given and returns, or stop the run."""
+        if not self.recording:
+            raise _TangentsNotRecorded(self)
+
+        def hook(results: Sequence[torch.Tensor | None], cotangents: Sequence[torch.Tensor | None]) -> None:
+            if not self.ended:  # an outer torch.autograd.grad over the same graph runs it again
+                self.backwards.append((function, tuple(cotangents), tuple(results)))
+
+        node.register_hook(hook)
+
+    def dropped(self) -> type | None:
+        """The first Function whose backward dropped a cotangent's tangent,
+        or None; read while this ``jvp``'s level is the innermost."""
+        return next((f for f, given, results in self.backwards if _backward_dropped_tangent(results, given)), None)
+
+
+_tangent_watches = threading.local()
+
+
+def _tangent_watches_now() -> tuple[_TangentWatch, ...]:
+    return getattr(_tangent_watches, "active", ())
+
+
+def _jvp_over_reverse(
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+    primals: Sequence[torch.Tensor],
+    tangents: Sequence[torch.Tensor],
+    *,
+    base: Any,
+    key: Any,
+) -> tuple[torch.Tensor, ...]:
+    """``torch.func.jvp`` of the reverse pass ``fn``, refused where one of its
+    backwards drops its incoming gradient's tangent (NOTE [a reverse pass
+    differentiated in forward mode])."""
+    decided = decisions(base)
+    watch = _TangentWatch(recording=bool(decided.get(("tangent graphs", key))))
+    try:
+        return _watched_jvp(fn, primals, tangents, base, watch)
+    except _TangentsNotRecorded as stop:
+        if stop.watch is not watch:  # an outer jvp's
+            raise
+    decided[("tangent graphs", key)] = True
+    return _watched_jvp(fn, primals, tangents, base, _TangentWatch(recording=True))
+
+
+def _watched_jvp(
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+    primals: Sequence[torch.Tensor],
+    tangents: Sequence[torch.Tensor],
+    base: Any,
+    watch: _TangentWatch,
+) -> tuple[torch.Tensor, ...]:
+    """``torch.func.jvp`` of ``fn`` with ``watch`` on its reverse passes, inside
+    a gradient level of its own where ``watch`` records tangent graphs."""
+
+    def watched(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outer = _tangent_watches_now()
+        _tangent_watches.active = outer + (watch,)
+        try:
+            outs = fn(*xs)
+            dropped = watch.dropped()
+        finally:
+            _tangent_watches.active = outer
+            watch.ended = True
+            watch.backwards.clear()  # hooks on the graph hold the watch: no cycle outlives the call
+        if dropped is not None:
+            raise _jvp_over_reverse_error(base, dropped, on_dual_numbers=True)
+        return outs
+
+    def jvp(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.func.jvp(watched, tuple(primals), ts)[1])
+
+    if watch.recording:
+        return functorch_levels.with_graphs_recorded(jvp, tuple(tangents))
+    return jvp(*tangents)
+
+
+def _backward_dropped_tangent(results: Sequence[Any], cotangents: Sequence[Any]) -> bool:
+    """Whether a backward given ``cotangents`` returned ``results`` none of
+    whose tangents depends on a cotangent's tangent, where one has a
+    tangent: ``_backward_dropped_cotangent`` on the tangents' graphs (NOTE
+    [a reverse pass differentiated in forward mode]). Read while the
+    ``jvp`` level that holds the tangents is the innermost."""
+    result_tangents: list[Any] = []
+    for r in results:
+        if not (isinstance(r, torch.Tensor) and (r.is_floating_point() or r.is_complex())):
+            result_tangents.append(r)
+            continue
+        tangent = functorch_levels.jvp_tangent(r)
+        recorded = _recording_layer(tangent)
+        if tangent is not None and recorded is None:  # grad mode was off, which forward AD goes through
+            return False
+        result_tangents.append(_NO_TANGENT if recorded is None else recorded)
+    given = [_recorded_tangent(g) if isinstance(g, torch.Tensor) else g for g in cotangents]
+    return _backward_dropped_cotangent(result_tangents, given)
+
+
+def _recorded_tangent(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s tangent at its layer that records a graph, else ``_NO_TANGENT``."""
+    recorded = _recording_layer(functorch_levels.jvp_tangent(t))
+    return _NO_TANGENT if recorded is None else recorded
+
+
+# Stands for a tangent a tensor does not have, or one that records no graph:
+# a float tensor that reaches nothing.
+_NO_TANGENT = torch.zeros(())
+
+
+def _recording_layer(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The layer of ``t`` (at any ``torch.func`` level) that requires grad, or None."""
+    if t is None:
+        return None
+    return next((layer for layer in functorch_levels.wrapped_layers(t) if layer.requires_grad), None)
+
+
+def _jvp_over_reverse_error(base: Any, function: type, on_dual_numbers: bool) -> RuntimeError:
+    """The refusal of forward mode over a reverse pass through ``function``'s
+    backward, run on dual numbers by ``torch.func.jvp`` (``on_dual_numbers``)
+    or differentiated in reverse mode by the double-vjp trick."""
+    once_differentiable = getattr(getattr(function, "backward", None), "__code__", None) is _ONCE_DIFFERENTIABLE_CODE
+    if once_differentiable:
+        return _once_differentiable_error(base, function.__name__)
+    name = function.__name__
+    with_jvp = getattr(function, "jvp", None) is not torch.autograd.Function.jvp
+    jvp_note = (
+        f" {name}'s jvp staticmethod does not help here: it gives the derivative of its forward, not of its "
+        f"backward."
+        if with_jvp
+        else ""
+    )
+    how = (
+        "its result carries none of that gradient's tangent (computed from grad.detach(), or made anew)"
+        if on_dual_numbers
+        else "its result does not depend on it in PyTorch's autograd graph (computed in NumPy, from "
+        "grad.detach(), or under torch.no_grad())"
+    )
+    return RuntimeError(
+        f"t2j_ad: forward mode over the reverse pass of {base.name!r} (jax.hessian, jax.jacfwd or jax.jvp of "
+        f"jax.grad) differentiates the backward of {name} in its incoming gradient, but the backward of {name} "
+        f"is not differentiable in its incoming gradient: {how}, so the second derivative would lose the part "
+        f"that goes through it (PyTorch's torch.func.hessian loses it too, silently).{jvp_note} In {name}'s "
+        f"backward, compute its result with differentiable torch ops on the incoming gradient; or take first "
+        f"derivatives alone through it (jax.grad, jax.jvp). (A backward whose result for an input is truly zero "
+        f"should return None for it.)"
+    )
 
 
 def _refuse_marked_reverse_pass(base: Any) -> None:
@@ -819,7 +1066,7 @@ def vmap_auto(
         # user's real error and propagates. Not an OSError: vmap refuses with
         # none, and a time limit's signal handler raises TimeoutError, which
         # the loop would have swallowed, keeping the loop for good.
-        if isinstance(vmap_err, OSError):
+        if isinstance(vmap_err, (OSError, _TangentsNotRecorded)):
             raise
         result = sequential(*args)
         decided[("vmap", key)] = "sequential"
