@@ -238,6 +238,10 @@ class JaxifiedFunction:
         # and what compile_stats() counted of those dropped beyond them.
         self._set_aside: dict[Any, list[_Signature]] = {}
         self._dropped_stats = graph_mode.no_stats()
+        # Per input signature, what graph mode saw of settings changed
+        # alone, shared by its resolutions (NOTE [a setting changed every
+        # step] in graph_mode.py).
+        self._settings_seen: dict[Any, dict[Any, Any]] = {}
         self._lock = threading.RLock()  # a function may call its own wrapper while inferring
         functools.update_wrapper(self, torch_fn, updated=())
         _live_functions.add(self)
@@ -503,6 +507,11 @@ class JaxifiedFunction:
             set_aside.remove(entry)
         else:
             entry = self._resolve(in_tree, in_avals, arrays)
+            if self.compile != "eager":
+                # NOTE [a setting changed every step] in graph_mode.py: a
+                # hook or a submodule made anew every step is a new
+                # structure, resolved again, every step.
+                graph_mode.share_settings_seen(entry.base, self._settings_seen.setdefault(key, {}))
         if left is not None:
             set_aside.insert(0, left)
             for dropped in set_aside[_STRUCTURES_KEPT:]:
@@ -525,6 +534,7 @@ class JaxifiedFunction:
         with self._lock:
             self._cache.clear()
             self._set_aside.clear()
+            self._settings_seen.clear()
             self._dropped_stats = graph_mode.no_stats()
 
     def compile_stats(self) -> dict[str, float]:
@@ -532,10 +542,12 @@ class JaxifiedFunction:
         signature and transform stack: ``graphs`` (traced TorchFns, one per
         setting of the training flags of the modules they run),
         ``eager_fallbacks`` (TorchFns that run eagerly: their trace failed,
-        or they replay random draws once per example), ``eager_for_rates``
-        and ``eager_for_hooks`` (how often a TorchFn went on eagerly for
-        dropout rates, or module hooks, that keep changing, rather than
-        trace each: NOTE [a setting changed every step] in graph_mode.py), ``trace_seconds`` and ``compile_seconds`` (inductor) spent;
+        or they replay random draws once per example), ``eager_for_rates``,
+        ``eager_for_hooks`` and ``eager_for_submodules`` (how often a
+        TorchFn went on eagerly for dropout rates, module hooks, or
+        submodules that keep changing, rather than trace each: NOTE [a
+        setting changed every step] in graph_mode.py), ``trace_seconds``
+        and ``compile_seconds`` (inductor) spent;
         the per-device functions of a sharded ``jax.jit`` included, and those
         made for the structures its modules had before (NOTE [a structure
         seen before] in module_structure.py). ``clear_cache`` starts them

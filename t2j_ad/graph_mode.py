@@ -522,15 +522,15 @@ class Artifact:
 
 class EagerForSettings(Artifact):
     """Eager, while the modules ``modes`` recorded keep all but their
-    setting (rates of dropout, hooks), at settings other than those of the
-    graphs kept for them (``kept_settings``) that have not settled
-    (``seen``): each new setting runs eagerly without a lookup (NOTE [a
-    setting changed every step])."""
+    setting (rates of dropout, hooks, children), at settings other than
+    those of the graphs kept for them (``kept_settings``) that have not
+    settled (``seen``): each new setting runs eagerly without a lookup
+    (NOTE [a setting changed every step])."""
 
     __slots__ = ("kept_settings", "seen")
 
     def __init__(self, modes: ModuleModes, kept_settings: list[tuple[Any, ...]], seen: SettingsSeen) -> None:
-        super().__init__(None, "its dropout rates or hooks keep changing")
+        super().__init__(None, "its dropout rates, hooks or submodules keep changing")
         self.modes = modes
         self.kept_settings = kept_settings
         self.seen = seen
@@ -852,10 +852,15 @@ def artifact_for(
             )
             cache[(*where, "layouts keep changing")] = artifact
             return artifact, None
-        kept = _kept_but_for_setting(cache, where)
-        seen = _settings_seen(base, where, kept)
-        if not seen.trace_new_setting(kept[0].modes.setting_now() if kept else None):
-            return _eager_for_settings(base, kept, seen), None  # NOTE [a setting changed every step]
+        seen = _settings_seen(base, where)
+        own, others = _kept_but_for_setting(cache, where, seen)
+        kept = own + others
+        seen.cost_known_from(kept)
+        now = kept[0].modes.setting_now() if kept else None
+        if any(now == artifact.modes.setting() for artifact in others):
+            now = None  # another resolution's modules, as they were: what changed is no part of the setting
+        if not seen.trace_new_setting(now):
+            return _eager_for_settings(base, own, others, seen), None  # NOTE [a setting changed every step]
         with recording_module_modes(getattr(base, "referenced_modules", ())) as recorder:
             artifact, first = _build_artifact(mode, impl, base, inputs, grad_enabled, out_specs)
         artifact.modes = recorder.modes()
@@ -864,6 +869,7 @@ def artifact_for(
         if artifact.once:  # NOTE [a hook that removed itself in a trace]
             return artifact, first
         _keep(base, cache, where, artifact, moved)
+        seen.kept(artifact)
     # FirstRunNotUndone, or eager's error (NOTE [a first run that fails on its inputs])
     if isinstance(first, BaseException):
         raise first
@@ -898,7 +904,7 @@ def _checked_again(
 
 # NOTE [a setting changed every step]
 # A graph is kept per setting of the modules it ran (NOTE [a graph per
-# training mode] in module_modes.py), and a training loop may change two
+# training mode] in module_modes.py), and a training loop may change three
 # parts of that setting on every step:
 # - a dropout's rate (NOTE [a dropout's rate is part of its mode] in
 #   module_modes.py), which a graph holds as constants of its ops
@@ -917,32 +923,74 @@ def _checked_again(
 #   (the fuzzer's repro, the same machine; with what follows, 8 graphs and
 #   5-9 ms a step, eager's own). The same hook registered again is the
 #   same setting and keeps its graph (NOTE [a hook registered again] in
-#   module_structure.py).
+#   module_structure.py);
+# - its children (NOTE [the submodules a graph ran] in module_modes.py),
+#   whose ops and weights a graph holds: a fresh head every step
+#   (``net[2] = nn.Linear(64, 4)`` with new weights: a hypernetwork, a
+#   notebook cell run again) traced both on every step as well: 120
+#   graphs in 60 steps of the same MLP under ``jax.jit``, some 30x
+#   eager's time (166 ms a step where eager took 5.5 ms; with what
+#   follows, 8 graphs and eager's time). A graph is still used only while
+#   the children it ran hold (``ModuleModes.hold``); they are aside only
+#   in what the modules of a kept graph must keep for a new setting to
+#   count here (``hold_but_setting``).
 # Taking the rate in as an input of the graph would need each constant a
 # rate became (``1 - p``, ``1 / (1 - p)``, an RNN's or an attention
 # kernel's ``dropout_p``) told apart from equal constants of other ops,
 # and a rate in a tensor draws other masks than PyTorch's float one
-# (``bernoulli_`` from the same seed); a hook is Python, which a trace
-# runs once. So once ``_RETRACES_FOR_SETTINGS`` new settings in a row of
+# (``bernoulli_`` from the same seed); a hook, or a child's forward, is
+# Python, which a trace runs once. So once ``_RETRACES_FOR_SETTINGS`` new settings in a row of
 # one transform stack and device differed from its kept graphs' in their
-# rates or hooks alone (``ModuleModes.setting``; the modules' flags,
-# forwards and children holding: ``hold_but_setting``), a further such
+# rates, hooks or children alone (``ModuleModes.setting``; the modules'
+# flags and forwards holding: ``hold_but_setting``), a further such
 # setting is not traced: an ``EagerForSettings`` runs it eagerly (the
 # masks PyTorch draws from the same seed, the hooks as they are, as every
 # eager call), neither cached nor announced, and goes on doing so, with
 # no lookup, for each new setting while the modules keep all else. Its
 # kept graphs stay in use: a setting one was traced with takes it back
 # (a few settings alternating keep their graphs), and a setting that
-# changes more (``model.eval()``, a head swapped) finds or traces its
-# own, as before, and starts the count again.
-# ``compile_stats()["eager_for_rates"]`` and ``["eager_for_hooks"]``
-# count how often a TorchFn went on eagerly so: for new hooks where its
-# hooks were none of its kept graphs', else for new rates.
+# changes more (``model.eval()``, a ``forward`` replaced) finds or traces
+# its own, as before, and starts the count again.
+# ``compile_stats()["eager_for_rates"]``, ``["eager_for_hooks"]`` and
+# ``["eager_for_submodules"]`` count how often a TorchFn went on eagerly
+# so: for new submodules where its children were none of its kept
+# graphs', else for new hooks where its hooks were none of theirs, else
+# for new rates.
 # Reading the hooks as what they run (``module_hooks.SameHook``, a few us
-# a hook) is done again only once something was registered or a hook
-# left its place since the last read (``ModuleModes.setting_now``, as
+# a hook) and copying the tables of children is done again only once
+# something was registered or a hook left its place since the last read,
+# or a table held when traced changed (``ModuleModes.setting_now``, as
 # NOTE [the hooks a graph ran] compares its structure), so an annealed
-# rate whose hooks stay reads one count and its hooks' places per call.
+# rate whose hooks stay reads one count, its hooks' places and its
+# tables of children per call.
+# Without ``jax.jit`` a call resolves its signature for the structure of
+# its modules as it is (NOTE [a hook added after a call] in
+# module_structure.py), and a new hook or submodule is a new structure:
+# a new ``BaseFn``, with no kept graphs and no counts of its own, so
+# ``jax.value_and_grad(f)`` called in a Python loop with a hook made anew
+# every step still traced both calls on every step (120 graphs in 60
+# steps, 3-5x eager's time: 390-450 ms a step where eager took 90-120 ms
+# on the shared 2-core machine, a fresh head every step 550 ms where
+# eager took 180 ms; with what follows, 8 graphs and eager's time). So the
+# resolutions of one input signature share what they saw
+# (``share_settings_seen``, from api.py): one ``SettingsSeen`` per
+# function of the signature (the function itself, its keeping or its
+# replaying function: NOTE [derivatives replay the value's draws] in
+# replayed_calls.py), transform stack and device, which also holds the
+# artifacts its last few traces kept (``recent``, ``_RECENT_KEPT``, which
+# keeps that many graphs and their modules alive beyond the caches),
+# whichever resolution made them. A resolution with no graph of its own
+# that holds but for its setting counts a new setting against those, as
+# the jitted loop counts against its own, and runs it eagerly after
+# three in a row; one whose setting, read through those artifacts'
+# modules, is one of theirs changed something else (a name the function
+# reads bound to a new module: NOTE [a name rebound after a call]), and
+# is traced, the count started again, as before. The resolution of a
+# hook or submodule that then stays is the one every call takes (NOTE [a
+# structure seen before] in module_structure.py), whose eager runs settle
+# it and trace it. The graphs of another resolution are not taken back
+# by this one (a setting seen before is found among the resolutions set
+# aside, with its graphs).
 # A setting that then stays (the end of a schedule, each plateau of a
 # step decay: ``p = 0.5 * 0.5 ** (step // 100)``, a hook kept from some
 # step on) ran eagerly for good at first, at eager speed, until something
@@ -975,20 +1023,27 @@ def _checked_again(
 # next setting, which moves only when the trace comes.
 _RETRACES_FOR_SETTINGS = 3
 _EAGER_CALLS_TO_SETTLE = 3
+# How many of the artifacts traced last a ``SettingsSeen`` holds for the
+# other resolutions of the signature: enough to find one whose modules
+# hold but for the setting.
+_RECENT_KEPT = _RETRACES_FOR_SETTINGS + 1
 # The eager seconds a setting that stays runs before its trace (None: its
 # trace's own; tests set it).
 _SETTLE_COST_SECONDS: float | None = None
 
 
 class SettingsSeen:
-    """What one transform stack and device of a function saw of settings
-    that changed rates of dropout or hooks alone (NOTE [a setting changed
-    every step]): how many such new settings in a row were traced
-    (``traced``), the setting run eagerly last (``eager_setting``), on how
-    many calls (``eager_calls``) and for how long (``eager_seconds``), and
-    the seconds its last trace took (``trace_cost``; 0 before one)."""
+    """What one transform stack and device of a function, in every
+    resolution of its input signature, saw of settings that changed rates
+    of dropout, hooks or children alone (NOTE [a setting changed every
+    step]): how many such new settings in a row were traced (``traced``),
+    the setting run eagerly last (``eager_setting``), on how many calls
+    (``eager_calls``) and for how long (``eager_seconds``), the seconds its
+    last trace took (``trace_cost``; 0 before one), and the artifacts its
+    last few traces kept (``recent``), which another resolution's own
+    cache does not hold."""
 
-    __slots__ = ("traced", "eager_setting", "eager_calls", "eager_seconds", "trace_cost")
+    __slots__ = ("traced", "eager_setting", "eager_calls", "eager_seconds", "trace_cost", "recent")
 
     def __init__(self) -> None:
         self.traced = 0
@@ -996,11 +1051,23 @@ class SettingsSeen:
         self.eager_calls = 0
         self.eager_seconds = 0.0
         self.trace_cost = 0.0
+        self.recent: list[Artifact] = []
+
+    def cost_known_from(self, kept: Sequence[Artifact]) -> None:
+        """Before its first trace, take the cost of the latest of the graphs
+        ``kept`` for other settings for that of a trace."""
+        if not self.trace_cost and kept:
+            self.trace_cost = _cost_of(kept[-1])
+
+    def kept(self, artifact: Artifact) -> None:
+        """Note ``artifact``, just traced and kept, among the last
+        ``_RECENT_KEPT``."""
+        self.recent = [*self.recent, artifact][-_RECENT_KEPT:]
 
     def trace_new_setting(self, setting_alone: tuple[Any, ...] | None) -> bool:
         """Whether to trace a new setting of the modules, which changed the
-        kept graphs' rates or hooks alone, to ``setting_alone`` (None: it
-        changed more, or no graph was kept), and count it."""
+        kept graphs' rates, hooks or children alone, to ``setting_alone``
+        (None: it changed more, or no graph was kept), and count it."""
         if setting_alone is None or self._settled(setting_alone):
             self.traced, self.eager_setting, self.eager_calls, self.eager_seconds = 0, None, 0, 0.0
             return True
@@ -1034,45 +1101,75 @@ def _cost_of(artifact: Artifact) -> float:
     return artifact.trace_seconds + artifact.compile_seconds
 
 
-def _kept_but_for_setting(cache: dict[Any, Artifact], where: tuple[Any, Any]) -> list[Artifact]:
-    """The artifacts cached for ``where`` (transforms, device), of functions
-    that ran modules, that would hold but for the rates of their dropouts
-    and their hooks (NOTE [a setting changed every step])."""
-    return [
-        artifact
-        for key, artifact in list(cache.items())
-        if key[:2] == where
-        and len(artifact.modes)
+def _holds_but_for_setting(artifact: Artifact) -> bool:
+    """Whether ``artifact``'s function ran modules, and all it assumed
+    holds but the rates of their dropouts, their hooks and their children
+    (NOTE [a setting changed every step])."""
+    return (
+        len(artifact.modes) > 0
         and artifact.modes.hold_but_setting()
         and (artifact.layouts is None or artifact.layouts.hold())
+    )
+
+
+def _kept_but_for_setting(
+    cache: dict[Any, Artifact], where: tuple[Any, Any], seen: SettingsSeen
+) -> tuple[list[Artifact], list[Artifact]]:
+    """The artifacts cached for ``where`` (transforms, device) that would
+    hold but for their setting, and those of the last traces ``seen`` kept,
+    in other resolutions of the signature, that would (NOTE [a setting
+    changed every step])."""
+    own = [artifact for key, artifact in list(cache.items()) if key[:2] == where and _holds_but_for_setting(artifact)]
+    others = [
+        artifact
+        for artifact in seen.recent
+        if not any(artifact is mine for mine in own) and _holds_but_for_setting(artifact)
     ]
+    return own, others
 
 
-def _settings_seen(base: Any, where: tuple[Any, Any], kept: list[Artifact]) -> SettingsSeen:
+def share_settings_seen(base: Any, shared: dict[Any, SettingsSeen]) -> None:
+    """Count what ``base``'s TorchFns, and those of its keeping and
+    replaying functions, see of settings in ``shared``, the dict every
+    resolution of one input signature of a jaxified function shares (NOTE
+    [a setting changed every step])."""
+    base.__dict__["settings_seen"] = shared
+
+
+def _settings_seen(base: Any, where: tuple[Any, Any]) -> SettingsSeen:
     """What ``where`` (transforms, device) of ``base`` saw of settings
-    changed alone; before its first trace, the cost of the latest of the
-    graphs ``kept`` for other settings (NOTE [a setting changed every
-    step])."""
-    seen: dict[Any, SettingsSeen] = base.__dict__.setdefault("settings_seen", {})
-    found = seen.setdefault(where, SettingsSeen())
-    if not found.trace_cost and kept:
-        found.trace_cost = _cost_of(kept[-1])
-    return found
+    changed alone, counted with what the same TorchFn of the other
+    resolutions of its signature saw (``share_settings_seen``; NOTE [a
+    setting changed every step])."""
+    root = getattr(base, "effects_root", None) or base
+    seen: dict[Any, SettingsSeen] = root.__dict__.setdefault("settings_seen", {})
+    # The function of the root it is (itself, its keeping or its replaying
+    # function), by its avals, which a per-device copy changes.
+    which = (root is not base, getattr(base, "replays", False), base.in_avals, base.out_avals)
+    return seen.setdefault((*which, *where), SettingsSeen())
 
 
-def _eager_for_settings(base: Any, kept: list[Artifact], seen: SettingsSeen) -> Artifact:
-    """An artifact that runs eagerly while the modules ``kept`` ran keep
-    all but their setting, at settings none of ``kept`` was traced with,
-    until one settles (``seen``); neither cached nor announced, and counted
-    as an eager run for new hooks where the hooks now are none of
-    ``kept``'s, else for new rates (NOTE [a setting changed every step])."""
+def _eager_for_settings(base: Any, own: list[Artifact], others: list[Artifact], seen: SettingsSeen) -> Artifact:
+    """An artifact that runs eagerly while the modules ``own`` and
+    ``others`` ran keep all but their setting, at settings none of ``own``
+    (the artifacts ``base`` keeps) was traced with, until one settles
+    (``seen``); neither cached nor announced, and counted as an eager run
+    for new submodules where the children now are none of the artifacts',
+    else for new hooks where the hooks are none of theirs, else for new
+    rates (NOTE [a setting changed every step])."""
+    kept = own + others
     modes = kept[0].modes
     settings = [artifact.modes.setting() for artifact in kept]
     now = modes.setting_now()
-    new_hooks = all(now[1] != setting[1] for setting in settings)
-    _counted_more(base, eager_for="eager_for_hooks" if new_hooks else "eager_for_rates")
+    if all(now[2] != setting[2] for setting in settings):
+        eager_for = "eager_for_submodules"
+    elif all(now[1] != setting[1] for setting in settings):
+        eager_for = "eager_for_hooks"
+    else:
+        eager_for = "eager_for_rates"
+    _counted_more(base, eager_for=eager_for)
     seen.run_eagerly(now)  # this call's
-    return EagerForSettings(modes, settings, seen)
+    return EagerForSettings(modes, [artifact.modes.setting() for artifact in own], seen)
 
 
 def record_eager(base: Any, transforms: tuple[Any, ...], reason: str) -> None:
@@ -1134,9 +1231,17 @@ def artifacts(base: Any) -> list[Artifact]:
 
 # What compile_stats() reports, per function: graphs traced (and run),
 # TorchFns that run eagerly, how often one went on eagerly for new rates of
-# dropout and for new hooks (NOTE [a setting changed every step]), seconds
-# spent tracing and compiling.
-STATS = ("graphs", "eager_fallbacks", "eager_for_rates", "eager_for_hooks", "trace_seconds", "compile_seconds")
+# dropout, new hooks and new submodules (NOTE [a setting changed every
+# step]), seconds spent tracing and compiling.
+STATS = (
+    "graphs",
+    "eager_fallbacks",
+    "eager_for_rates",
+    "eager_for_hooks",
+    "eager_for_submodules",
+    "trace_seconds",
+    "compile_seconds",
+)
 
 
 def no_stats() -> dict[str, float]:
@@ -1146,6 +1251,7 @@ def no_stats() -> dict[str, float]:
         "eager_fallbacks": 0,
         "eager_for_rates": 0,
         "eager_for_hooks": 0,
+        "eager_for_submodules": 0,
         "trace_seconds": 0.0,
         "compile_seconds": 0.0,
     }
@@ -1155,8 +1261,8 @@ def stats_of(base: Any) -> dict[str, float]:
     """``compile_stats()`` of what ``base``'s TorchFns made: the artifacts
     kept, and what ``base`` counted of those no longer kept (``counted``:
     those ``_drop_the_oldest`` dropped, NOTE [how many graphs a function
-    keeps]; how often they went on eagerly for new rates or hooks, NOTE [a
-    setting changed every step])."""
+    keeps]; how often they went on eagerly for new rates, hooks or
+    submodules, NOTE [a setting changed every step])."""
     counted = dict(base.__dict__.get("counted") or no_stats())
     for artifact in artifacts(base):
         _count(counted, artifact)
@@ -1217,10 +1323,10 @@ def _counted_more(base: Any, dropped: Artifact | None = None, eager_for: str | N
     """Add to ``base``'s ``counted`` (what ``compile_stats()`` counts of what
     its cache does not hold) the artifact ``dropped`` from its cache (NOTE
     [how many graphs a function keeps]) and one eager run for a new setting,
-    counted under the ``eager_for`` key (``eager_for_rates`` or
-    ``eager_for_hooks``: NOTE [a setting changed every step]). Called under
-    ``base``'s graph lock; replaced whole, as ``stats_of`` reads it without
-    the lock."""
+    counted under the ``eager_for`` key (``eager_for_rates``,
+    ``eager_for_hooks`` or ``eager_for_submodules``: NOTE [a setting
+    changed every step]). Called under ``base``'s graph lock; replaced
+    whole, as ``stats_of`` reads it without the lock."""
     counts = dict(base.__dict__.get("counted") or no_stats())
     if dropped is not None:
         _count(counts, dropped)

@@ -87,6 +87,12 @@ dict comparison per module that held children when traced; on the
 about 1 us a call. A child given to a module that had none (an empty
 ``nn.Sequential`` appended to, which its forward then runs) is seen by
 NOTE [the hooks a graph ran], as any registration is.
+A fresh head given on every step (``net[2] = nn.Linear(...)`` with new
+weights: a hypernetwork, a notebook cell run again) is then a new
+setting on every step, as a hook made anew is: the children are part of
+the setting a graph is keyed by (``setting``), and such a setting runs
+eagerly after a few traced (NOTE [a setting changed every step] in
+graph_mode.py).
 A submodule a forward picks by a flag it reads (``self.act = self.drop
 if self.noisy else self.ident``) is bound by the forward, which a replay
 does not run: the flag is Python state a graph reads once per trace
@@ -131,11 +137,11 @@ code closing over another value), or none, does not; a one-shot hook is
 as NOTE [a hook that removed itself in a trace] in graph_mode.py says.
 Another hook registered on every step (``lambda m, a, out, f=1 + 1e-3 *
 step: out * f``, the old one removed) is then a new setting on every
-step, as an annealed dropout rate is: the hooks are the other half of
-the setting a graph is keyed by besides its modules' flags, forwards and
-children (``setting``, ``setting_now``, ``hold_but_setting``), and such a
-setting runs eagerly after a few traced (NOTE [a setting changed every
-step] in graph_mode.py).
+step, as an annealed dropout rate is: the hooks are part of the setting
+a graph is keyed by, with the rates and the children, beside its
+modules' flags and forwards (``setting``, ``setting_now``,
+``hold_but_setting``), and such a setting runs eagerly after a few
+traced (NOTE [a setting changed every step] in graph_mode.py).
 """
 
 from __future__ import annotations
@@ -212,10 +218,11 @@ class ModuleModes:
         "_rates",
         "_parents",
         "_children",
+        "_held_children",
         "_registered",
         "_hook_places",
         "_structure",
-        "_hooks_read",
+        "_setting_read",
     )
 
     def __init__(self, seen: Sequence[tuple[torch.nn.Module, bool, Any]] = ()) -> None:
@@ -241,16 +248,17 @@ class ModuleModes:
         tables = [getattr(module, "__dict__", {}).get("_modules") for module in self.modules]
         self._parents = [attributes for attributes, table in zip(self._attributes, tables) if table]
         self._children = [dict(table) for table in tables if table]
+        self._held_children = [bool(table) for table in tables]
         # NOTE [the hooks a graph ran]: what was registered anywhere so far,
         # where the modules' hooks are, and the structure to compare once
         # something more was registered.
         self._registered = registrations()
         self._hook_places = user_hook_places(self.modules)
         self._structure = self._structure_now()
-        # The hooks as ``setting_now`` last read them, with what was
-        # registered then and where they were (NOTE [a setting changed every
-        # step] in graph_mode.py).
-        self._hooks_read = (self._registered, self._hook_places, self._structure[1])
+        # The hooks and every module's children as ``setting_now`` last read
+        # them, with what was registered then and where the hooks were (NOTE
+        # [a setting changed every step] in graph_mode.py).
+        self._setting_read = (self._registered, self._hook_places, self._structure[1], self._structure[0])
 
     def _structure_now(self) -> tuple[Any, ...]:
         """Every module's children, and its hooks and the global ones as what
@@ -308,21 +316,28 @@ class ModuleModes:
         return tuple(self._rates_now())
 
     def setting(self) -> tuple[Any, ...]:
-        """What a graph is keyed by beyond its modules' flags, forwards and
-        children, as recorded: the rates of dropout, and the hooks as what
-        they run (NOTE [a setting changed every step] in graph_mode.py)."""
-        return self.rates(), self._structure[1]
+        """What a graph is keyed by beyond its modules' flags and forwards,
+        as recorded: the rates of dropout, the hooks as what they run, and
+        every module's children (NOTE [a setting changed every step] in
+        graph_mode.py)."""
+        return self.rates(), self._structure[1], self._structure[0]
 
     def setting_now(self) -> tuple[Any, ...]:
-        """``setting`` as it is now; the hooks read again only once
-        something was registered or a hook left its place since they were
-        last read (NOTE [the hooks a graph ran])."""
+        """``setting`` as it is now; the hooks and children read again only
+        once something was registered or a hook left its place since they
+        were last read, or a table of children held when traced changed
+        (NOTE [the hooks a graph ran], NOTE [the submodules a graph ran])."""
         registered = registrations()
-        since, places, hooks = self._hooks_read
-        if not nothing_moved(registered, since, places):
-            hooks = self._hooks_seen()
-            self._hooks_read = (registered, user_hook_places(self.modules), hooks)
-        return self.rates_now(), hooks
+        since, places, hooks, tables = self._setting_read
+        if not nothing_moved(registered, since, places) or self._children_now() != self._children_in(tables):
+            hooks, tables = self._hooks_seen(), self._every_child_table()
+            self._setting_read = (registered, user_hook_places(self.modules), hooks, tables)
+        return self.rates_now(), hooks, tables
+
+    def _children_in(self, tables: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+        """Of ``tables`` (``_every_child_table``), those of the modules that
+        held children when traced, as ``_children_now`` lists them."""
+        return [table for table, held in zip(tables, self._held_children) if held]
 
     def __len__(self) -> int:
         return len(self.modules)
@@ -344,17 +359,10 @@ class ModuleModes:
 
     def hold_but_setting(self) -> bool:
         """Whether all but the ``setting`` holds: each module's flag, its
-        own ``forward`` and its class's, and every module's children, the
-        rates of dropout and the hooks aside (NOTE [a setting changed every
+        own ``forward`` and its class's; the rates of dropout, the hooks
+        and every module's children aside (NOTE [a setting changed every
         step] in graph_mode.py)."""
-        return (
-            self._flags_and_forwards_hold()
-            and self._children_now() == self._children
-            and (
-                nothing_moved(registrations(), self._registered, self._hook_places)
-                or self._every_child_table() == self._structure[0]
-            )
-        )
+        return self._flags_and_forwards_hold()
 
     def _flags_and_forwards_hold(self) -> bool:
         """Whether each module's flag, its own ``forward`` and its class's hold."""

@@ -1692,14 +1692,17 @@ def _live_artifacts() -> int:
     return sum(type(o) is graph_mode.Artifact for o in gc.get_objects())
 
 
-def test_dropped_graphs_are_counted_not_kept_one_by_one(x64):
+def test_dropped_graphs_are_counted_not_kept_one_by_one(x64, monkeypatch):
     """A compiled ``jax.jit`` given a fresh head every step traces on each,
     and keeps the last few graphs (NOTE [how many graphs a function keeps]);
     the function kept one stub artifact for every graph it dropped, so what
     it held grew by one on every step, without end. The counts stand for
     them: what is held stays the same over 40 more drops, and
     ``compile_stats()`` still counts every trace, the dropped ones too
-    (graphs and eager fallbacks alike)."""
+    (graphs and eager fallbacks alike). (Fresh heads run eagerly after a
+    few traced, NOTE [a setting changed every step] in graph_mode.py,
+    which is put off here so that every step traces and drops.)"""
+    monkeypatch.setattr(graph_mode, "_RETRACES_FOR_SETTINGS", 10**6)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double().to(TORCH_DEVICE)
     f = t2j_ad.jaxify(lambda x: (net(x) ** 2).sum(), compile="graph")
@@ -1729,6 +1732,7 @@ def test_dropped_graphs_are_counted_not_kept_one_by_one(x64):
         "eager_fallbacks": 0,
         "eager_for_rates": 0,
         "eager_for_hooks": 0,
+        "eager_for_submodules": 0,
         "trace_seconds": 0.0,
         "compile_seconds": 0.0,
     }
@@ -1750,15 +1754,22 @@ def _step_as_pytorch(step, params, net, twin, hook, x, seed: int) -> None:
     its value and every parameter's gradient."""
     handles = [net[2].register_forward_hook(hook), twin[2].register_forward_hook(hook)]
     try:
-        torch.manual_seed(seed)
-        value, grads = jax.block_until_ready(step(params, x))
-        twin.zero_grad()
-        torch.manual_seed(seed)
-        loss = (twin(to_torch(x)) ** 2).sum()
-        loss.backward()
+        _step_checked(step, params, twin, x, seed)
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _step_checked(step, params, twin, x, seed: int) -> None:
+    """``step(params, x)`` from ``seed`` equals ``loss.backward()`` on
+    ``twin`` from ``seed`` (the same mask), its value and every
+    parameter's gradient."""
+    torch.manual_seed(seed)
+    value, grads = jax.block_until_ready(step(params, x))
+    twin.zero_grad()
+    torch.manual_seed(seed)
+    loss = (twin(to_torch(x)) ** 2).sum()
+    loss.backward()
     expected = {name: to_numpy(p.grad) for name, p in twin.named_parameters()}
     np.testing.assert_allclose(value, loss.item(), rtol=1e-12)
     assert_tree_allclose(grads, expected, rtol=1e-10, atol=1e-12)
@@ -1821,3 +1832,123 @@ def test_a_hook_made_anew_every_step_does_not_trace_every_step(x64, traces, monk
     assert len(traces) == 2 * 5, f"traces of a hook that stayed: {traces}"
     assert runs_per_step[-3:] == [0, 0, 0], f"Python runs with a hook that stayed, per step: {runs_per_step}"
     assert apply.compile_stats()["eager_for_rates"] == 0
+
+
+def _dropout_runs(net, monkeypatch) -> list[int]:
+    """One entry per Python run of ``net[1]``'s forward from now on: an
+    eager call or a trace, no replay."""
+    runs: list[int] = []
+    forward = type(net[1]).forward
+
+    def counted_forward(self, *args):
+        if self is net[1]:
+            runs.append(1)
+        return forward(self, *args)
+
+    monkeypatch.setattr(type(net[1]), "forward", counted_forward)
+    return runs
+
+
+def test_a_hook_made_anew_every_step_without_jit_does_not_trace_every_step(x64, traces, monkeypatch):
+    """The loop of the test above without ``jax.jit``: each new hook is a
+    new structure, so each call resolved its signature again, a new
+    function with no graphs and no counts of its own, and traced its value
+    call and its derivative on every step, without end (120 graphs in 60
+    steps, about 4x eager's time). The resolutions of one signature share
+    the counts of settings seen (NOTE [a setting changed every step] in
+    graph_mode.py): after three new hooks in a row new ones run eagerly,
+    and a hook that then stays, registered again around every step, is
+    traced once its eager runs took as long as a trace (forced to nothing
+    here), its graphs replayed from then on. Every step is held against
+    ``loss.backward()`` on a twin from the same seed."""
+    net, twin = _hooked_twins()
+    runs = _dropout_runs(net, monkeypatch)
+    apply, params = t2j_ad.jaxify_module(net, compile="graph")
+    step = jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) ** 2))
+    x = jnp.array([[0.3, -1.2, 0.7], [1.1, 0.4, -0.6]])
+    traces_per_step = []
+    for k in range(12):
+        before = len(traces)
+        _step_as_pytorch(step, params, net, twin, lambda module, args, out, f=1.0 + 1e-3 * k: out * f, x, seed=k)
+        traces_per_step.append(len(traces) - before)
+    stats = apply.compile_stats()
+    assert traces_per_step[4:] == [0] * 8, f"traces per step of a new hook each step: {traces_per_step}"
+    assert stats["graphs"] == len(traces) == 2 * 4, stats
+    assert stats["eager_for_hooks"] >= 8, stats
+    assert stats["eager_for_rates"] == stats["eager_for_submodules"] == stats["eager_fallbacks"] == 0, stats
+    # A hook that stays: eager on its first calls, then traced, then replayed.
+    monkeypatch.setattr(graph_mode, "_SETTLE_COST_SECONDS", 0.0)
+    stays = lambda module, args, out: out * 1.5  # noqa: E731
+    runs_per_step = []
+    for k in range(8):
+        before = len(runs)
+        _step_as_pytorch(step, params, net, twin, stays, x, seed=200 + k)
+        runs_per_step.append(len(runs) - before)
+    assert len(traces) == 2 * 5, f"traces of a hook that stayed: {traces}"
+    assert runs_per_step[-3:] == [0, 0, 0], f"Python runs with a hook that stayed, per step: {runs_per_step}"
+
+
+def _fresh_head_step_as_pytorch(step, params, net, twin, x, seed: int) -> dict:
+    """A fresh head for ``net`` (``net[2] = nn.Linear(...)``) and the same
+    for ``twin``, then one step on ``params`` with the head's weights from
+    ``seed``: equal to ``loss.backward()`` on the twin from ``seed``, its
+    value and every parameter's gradient; the ``params`` it ran on."""
+    torch.manual_seed(seed)
+    head = torch.nn.Linear(5, 2).double().to(TORCH_DEVICE)
+    net[2], twin[2] = head, copy.deepcopy(head)
+    params = {**params, "2.weight": jnp.asarray(to_numpy(head.weight)), "2.bias": jnp.asarray(to_numpy(head.bias))}
+    _step_checked(step, params, twin, x, seed)
+    return params
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "no-jit"])
+def test_a_submodule_made_anew_every_step_does_not_trace_every_step(x64, traces, monkeypatch, jit):
+    """A fresh head given to the module on every step (``net[2] =
+    nn.Linear(...)``: a hypernetwork, a notebook running a cell again)
+    traced the value call and its derivative on every step, under
+    ``jax.jit(jax.value_and_grad)`` (its graphs keyed by the children:
+    NOTE [the submodules a graph ran] in module_modes.py) and without it
+    (each call a new structure, resolved again). A module's children are
+    part of the setting a graph is keyed by, as its hooks and dropout
+    rates are (NOTE [a setting changed every step] in graph_mode.py):
+    after three new heads in a row new heads run eagerly, counted by
+    ``compile_stats()["eager_for_submodules"]``; under ``jax.jit`` a head
+    swapped back takes back its graphs; a head that stays is traced once
+    its eager runs took as long as a trace (forced to nothing here), then
+    replayed. Every step is held against ``loss.backward()`` on a twin
+    from the same seed."""
+    net, twin = _hooked_twins()
+    runs = _dropout_runs(net, monkeypatch)
+    apply, params = t2j_ad.jaxify_module(net, compile="graph")
+    step = jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) ** 2))
+    if jit:
+        step = jax.jit(step)
+    x = jnp.array([[0.3, -1.2, 0.7], [1.1, 0.4, -0.6]])
+    traces_per_step, heads = [], []
+    for k in range(12):
+        before = len(traces)
+        params = _fresh_head_step_as_pytorch(step, params, net, twin, x, seed=k)
+        heads.append((net[2], twin[2], params))
+        traces_per_step.append(len(traces) - before)
+    stats = apply.compile_stats()
+    assert traces_per_step[4:] == [0] * 8, f"traces per step of a new head each step: {traces_per_step}"
+    assert stats["graphs"] == len(traces) == 2 * 4, stats
+    assert stats["eager_for_submodules"] >= 1, stats
+    assert stats["eager_for_rates"] == stats["eager_for_hooks"] == stats["eager_fallbacks"] == 0, stats
+    if jit:
+        # Heads whose graphs were kept, alternating: their graphs, no Python run.
+        runs.clear()
+        for k in range(6):
+            net[2], twin[2], params = heads[1 + k % 3]
+            _step_checked(step, params, twin, x, seed=100 + k)
+        assert (len(runs), len(traces)) == (0, 2 * 4), f"Python runs with kept heads: {len(runs)}, traces: {traces}"
+    # A head that stays: eager on its first calls, then traced, then replayed.
+    monkeypatch.setattr(graph_mode, "_SETTLE_COST_SECONDS", 0.0)
+    params = _fresh_head_step_as_pytorch(step, params, net, twin, x, seed=1000)
+    runs_per_step = []
+    for k in range(8):
+        before = len(runs)
+        _step_checked(step, params, twin, x, seed=200 + k)
+        runs_per_step.append(len(runs) - before)
+    assert len(traces) == 2 * 5, f"traces of a head that stayed: {traces}"
+    assert runs_per_step[-3:] == [0, 0, 0], f"Python runs with a head that stayed, per step: {runs_per_step}"

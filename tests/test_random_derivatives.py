@@ -564,9 +564,8 @@ def test_rates_that_stay_settle_once_their_eager_seconds_reach_the_last_trace():
     calls and for as long, all runs together, as the last trace of their
     transform stack and device took, or before any, the latest kept graph
     of other rates; new rates start both counts again."""
-    import types
-
-    seen = graph_mode._settings_seen(types.SimpleNamespace(), ("transforms", "cpu"), [])
+    seen = graph_mode.SettingsSeen()
+    seen.cost_known_from([])
     assert seen.trace_cost == 0.0
     seen.trace_cost = 0.5
     ran = []
@@ -583,7 +582,8 @@ def test_rates_that_stay_settle_once_their_eager_seconds_reach_the_last_trace():
     assert [seen.run_eagerly((0.1,)) for _ in range(3)] == [True, True, False]
     kept = graph_mode.Artifact(None)
     kept.trace_seconds, kept.compile_seconds = 0.25, 0.5
-    fresh = graph_mode._settings_seen(types.SimpleNamespace(), ("transforms", "cpu"), [graph_mode.Artifact(None), kept])
+    fresh = graph_mode.SettingsSeen()
+    fresh.cost_known_from([graph_mode.Artifact(None), kept])
     assert fresh.trace_cost == 0.75
 
 
