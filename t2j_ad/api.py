@@ -29,7 +29,8 @@ from .primitive import torch_call
 from .rules.partitioning import local_bases
 # Also PyTorch's result tuples as pytrees (NOTE [PyTorch's result tuples]).
 from .pytrees import flags_kept, registered_from_torch
-from .random_state import makes_generators, referenced_generators
+from .generator_calls import makes_generators
+from .random_state import referenced_generators
 from .runtime import (
     InputMutationError,
     TorchCallError,
@@ -429,7 +430,7 @@ class JaxifiedFunction:
         )
         base.referenced_modules = modules  # type: ignore[attr-defined]
         # NOTE [draws the trial runs did not see] in random_state.py
-        base.referenced_generators = referenced_generators(self.torch_fn)  # type: ignore[attr-defined]
+        base.referenced_generators = referenced_generators(self.torch_fn, modules)  # type: ignore[attr-defined]
         base.makes_generators = makes_generators(self.torch_fn, modules)  # type: ignore[attr-defined]
         if self.compile != "eager":  # NOTE [the layouts a graph assumed]
             # Found again by each trace: a notebook binds new weights to the names.

@@ -33,17 +33,17 @@ draws made from it, in order.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import secrets
-import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # private, as in real_writes.py
 
-from .references import reachable, users_code
+from .references import reachable
 
 
 def _given_generator(func: Any, kwargs: dict[str, Any] | None) -> torch.Generator | None:
@@ -51,6 +51,27 @@ def _given_generator(func: Any, kwargs: dict[str, Any] | None) -> torch.Generato
     if torch.Tag.nondeterministic_seeded not in func.tags:
         return None
     return (kwargs or {}).get("generator")
+
+
+def _own_generator(func: Any, kwargs: dict[str, Any] | None) -> torch.Generator | None:
+    """The generator a random op was given as ``generator=``, unless it is
+    one of PyTorch's default ones (``generator=torch.default_generator``),
+    which the draw watch counts as such (NOTE [draws the trial runs did not
+    see])."""
+    generator = _given_generator(func, kwargs)
+    return None if generator is None or _is_default_generator(generator) else generator
+
+
+def _is_default_generator(generator: torch.Generator) -> bool:
+    """Whether ``generator`` is one of PyTorch's default generators. Each op
+    gets a new Python object for the same generator, so they are told apart
+    by the C++ generator they wrap (``_cdata``, private)."""
+    device = generator.device
+    if device.type == "cpu":
+        return generator._cdata == torch.default_generator._cdata
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        return generator._cdata == torch.cuda.default_generators[device.index or 0]._cdata
+    return False
 
 
 class _GeneratorsFound(TorchDispatchMode):
@@ -263,9 +284,17 @@ class SeedWatch:
 # outside a backward pass (``_ForwardDrawsSeen``: PyTorch's graph task id
 # is -1 there); such a function pays that run on every derivative call. A
 # generator the function makes in the call is watched otherwise (NOTE
-# [generators a function makes]); one it reaches in another way, and a
-# function given ``output_shapes=`` (no effects known; its derivatives draw
-# again, as documented), stay unwatched.
+# [generators a function makes]); one the modules it runs hold (``self.gen``
+# made in ``__init__``) is watched as one its code names. One it reaches in
+# another way, and a function given ``output_shapes=`` (no effects known;
+# its derivatives draw again, as documented), stay unwatched.
+#
+# ``generator=torch.default_generator``, passed explicitly, is PyTorch's
+# generator all the same: a draw from it counted as one from a generator
+# passed in, watched by neither watch, and the gradient went through a
+# second mask (off by 0.28 from ``torch.func``). The watch tells PyTorch's
+# default generators by the C++ generator they wrap (``_own_generator``,
+# ``_is_default_generator``), as each op gets a new Python object for them.
 
 # NOTE [generators a function makes]
 # A function may make a generator in each call (``g = torch.Generator()``)
@@ -278,12 +307,13 @@ class SeedWatch:
 # differentiated another mask, without a word (every ``jax.grad``,
 # ``value_and_grad`` and ``vjp``, eager and graph mode). A seed drawn from
 # PyTorch's generator is a draw of its own, watched or replayed as such. So
-# where the function's code (``references.reachable`` from it, the methods
-# of the classes it reaches and of the modules it runs, the user's own, not
-# PyTorch's) names ``Generator`` (``makes_generators``, once per signature;
-# nothing is found that a library makes), a watched derivative call also
-# notes the state of each generator passed as ``generator=`` before each of
-# its draws (``GivenDrawStates``: a mode on every op of such a function's
+# where the code a call runs (the function, the user's code it reaches, the
+# ``forward`` of the modules it runs and the methods that names, their
+# hooks; not PyTorch's) calls ``torch.Generator`` (``makes_generators``,
+# once per signature: NOTE [the code a call runs makes a generator] in
+# generator_calls.py; nothing is found that a library makes), a watched
+# derivative call also notes the state of each generator passed as
+# ``generator=`` before each of its draws (``GivenDrawStates``: a mode on every op of such a function's
 # derivative calls alone; one on every derivative call would cost 70 us, on
 # a 120 us ``torch.func.vjp`` of ``sin(x) * 2``). Where it drew from one,
 # the call is run again, as the sure run is, and stopped once it has reached
@@ -292,55 +322,37 @@ class SeedWatch:
 # function whose trial runs drew from such generators keeps their states in
 # its token and is replayed (NOTE [derivatives replay the value's draws] in
 # replayed_calls.py), whatever their seeds.
+#
+# That run again ran the function's Python a second time on every
+# derivative call of a function seeded alike in every run (its prints, its
+# counters), and cost a second forward. The states a run again found
+# repeated are kept (``DrawWatch._repeated``, the last
+# ``_REPEATED_KEPT`` sets): a later call whose draws start from those same
+# states, in order, drew the numbers already seen to repeat, and is not run
+# again. A function seeded alike runs again once (once per input where it
+# seeds from the input); one seeded otherwise draws from states never seen
+# before and is run again, and refused, as before. The run again is a
+# sample of the seeding, as that cache is: a seed that repeats by chance
+# (``random.choice((1, 2))``) passes either.
 
 
-def makes_generators(fn: Callable[..., Any], modules: Sequence[torch.nn.Module]) -> bool:
-    """Whether ``fn``'s code, code it reaches (``references.reachable``), or
-    a method of the class of a module it runs (``modules``, with their
-    submodules; of the user's classes) names ``torch.Generator``: it may
-    make generators of its own (NOTE [generators a function makes])."""
-    if reachable(fn, _names_generator):
-        return True
-    classes = {klass for module in modules for sub in module.modules() for klass in type(sub).__mro__}
-    return any(
-        reachable(member, _names_generator)
-        for klass in classes
-        if users_code(klass.__module__)
-        for member in vars(klass).values()
-    )
-
-
-def _names_generator(obj: Any) -> bool:
-    """Whether ``obj`` is ``torch.Generator``, or a function of the user's
-    whose code (or code defined in it) names ``Generator``, or a class of
-    the user's with such a method."""
-    if obj is torch.Generator:
-        return True
-    if isinstance(obj, type):
-        return any(
-            _names_generator(member)
-            for klass in obj.__mro__
-            if users_code(klass.__module__)
-            for member in vars(klass).values()
-            if not isinstance(member, type)
-        )
-    function = getattr(obj, "__func__", obj)
-    code = getattr(function, "__code__", None)
-    return isinstance(code, types.CodeType) and users_code(getattr(function, "__module__", None)) and _names_in(code)
-
-
-def _names_in(code: types.CodeType) -> bool:
-    """Whether ``code``, or code defined in it (a lambda, a nested function), names ``Generator``."""
-    return "Generator" in code.co_names or any(
-        _names_in(const) for const in code.co_consts if isinstance(const, types.CodeType)
-    )
-
-
-def referenced_generators(fn: Callable[..., Any]) -> tuple[torch.Generator, ...]:
+def referenced_generators(
+    fn: Callable[..., Any], modules: Sequence[torch.nn.Module] = ()
+) -> tuple[torch.Generator, ...]:
     """The ``torch.Generator`` objects ``fn``'s code names (in its closure,
     globals, default arguments, a module's attributes: ``references.reachable``),
-    which a derivative call watches (NOTE [draws the trial runs did not see])."""
-    return tuple(reachable(fn, lambda obj: isinstance(obj, torch.Generator)))
+    and those the ``modules`` it runs (with their submodules) hold
+    (``self.gen`` made in ``__init__``), which a derivative call watches
+    (NOTE [draws the trial runs did not see])."""
+    found = {id(g): g for g in reachable(fn, _is_generator)}
+    for module in modules:
+        for sub in module.modules():
+            found.update((id(g), g) for g in reachable(vars(sub), _is_generator))
+    return tuple(found.values())
+
+
+def _is_generator(obj: Any) -> bool:
+    return isinstance(obj, torch.Generator)
 
 
 class DrawWatch:
@@ -354,6 +366,8 @@ class DrawWatch:
         self.plain = plain  # PyTorch's default generators
         self.own = tuple(own)  # those passed as generator=
         self.inner = inner  # the draws from generators it may make itself
+        # The states of draws a run again found repeated (NOTE [generators a function makes]).
+        self._repeated: collections.deque[tuple[bytes, ...]] = collections.deque(maxlen=_REPEATED_KEPT)
         # Without CUDA the generators never change: found once, not per call.
         self._fixed = None if plain and torch.cuda.is_available() else self._generators()
 
@@ -391,21 +405,27 @@ class DrawWatch:
         draws from generators passed as ``generator=``."""
         return GivenDrawStates()
 
-    @staticmethod
-    def drew_unrepeatably(run: Callable[[], Any], given: GivenDrawStates) -> str | None:
+    def drew_unrepeatably(self, run: Callable[[], Any], given: GivenDrawStates) -> str | None:
         """Where the call drew from generators passed as ``generator=``
         (``given``), whether ``run``, the call again, draws from them from
         other states: ``run`` is stopped at its first draw from another
         state, or once it has reached each of the call's draws, and never
         makes that draw; the source, as ``unseen_draws_refusal`` names it,
         or None (NOTE [generators a function makes]). PyTorch's generators
-        are put back where this thread drew from them."""
+        are put back where this thread drew from them. Draws from states a
+        run again found repeated before are not run again."""
         if not given.found:
             return None
-        compared = _GivenDrawsCompared([_bytes(state) for _, state in given.found])
+        expected = tuple(_bytes(state) for _, state in given.found)
+        if expected in self._repeated:
+            return None
+        compared = _GivenDrawsCompared(expected)
         with random_state_kept(only_if=lambda: compared.plain > 0), contextlib.suppress(_WatchedDrawReached), compared:
             run()
-        return _MADE_GENERATOR if compared.differ else None
+        if compared.differ:
+            return _MADE_GENERATOR
+        self._repeated.append(expected)
+        return None
 
     @staticmethod
     def put_back(before: Sequence[tuple[torch.Generator, bytes]], given: GivenDrawStates | None) -> None:
@@ -425,7 +445,7 @@ class GivenDrawStates(_GeneratorsFound):
     draw (``found``), in order (NOTE [generators a function makes])."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        generator = _given_generator(func, kwargs)
+        generator = _own_generator(func, kwargs)
         if generator is not None and _forward_draw(func, args, kwargs):
             self._note(generator)
         return func(*args, **(kwargs or {}))
@@ -472,7 +492,7 @@ class _ForwardDrawsSeen(RandomOpsSeen):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         if _forward_draw(func, args, kwargs):
-            kind = "plain" if _given_generator(func, kwargs) is None else "given"
+            kind = "plain" if _own_generator(func, kwargs) is None else "given"
             if self._watched[kind]:
                 self.reached = kind
                 raise _WatchedDrawReached(kind)
@@ -495,7 +515,7 @@ class _GivenDrawsCompared(RandomOpsSeen):
         self.differ = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        generator = _given_generator(func, kwargs)
+        generator = _own_generator(func, kwargs)
         if generator is not None and _forward_draw(func, args, kwargs):
             if _state_bytes(generator) != self._expected[self._at]:
                 raise _WatchedDrawReached("given")
@@ -536,6 +556,10 @@ def unseen_draws_refusal(name: str, source: str) -> RuntimeError:
         f"the value's draws."
     )
 
+
+# How many sets of states found repeated a ``DrawWatch`` keeps (NOTE
+# [generators a function makes]): a few inputs a function seeds from.
+_REPEATED_KEPT = 8
 
 # How ``unseen_draws_refusal`` names a generator the function makes.
 _MADE_GENERATOR = "a torch.Generator it makes itself, seeded otherwise from run to run,"
