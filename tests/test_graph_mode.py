@@ -1788,15 +1788,7 @@ def test_a_hook_made_anew_every_step_does_not_trace_every_step(x64, traces, monk
     (NOTE [a setting changed every step] in graph_mode.py). Every step is
     held against ``loss.backward()`` on a twin from the same seed."""
     net, twin = _hooked_twins()
-    runs: list[int] = []  # one per Python run of net's forward: eager or traced, no replay
-    forward = type(net[1]).forward
-
-    def counted_forward(self, *args):
-        if self is net[1]:
-            runs.append(1)
-        return forward(self, *args)
-
-    monkeypatch.setattr(type(net[1]), "forward", counted_forward)
+    runs = _dropout_runs(net, monkeypatch)
     apply, params = t2j_ad.jaxify_module(net, compile="graph")
     step = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) ** 2)))
     x = jnp.array([[0.3, -1.2, 0.7], [1.1, 0.4, -0.6]])
