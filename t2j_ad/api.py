@@ -29,6 +29,7 @@ from .primitive import torch_call
 from .rules.partitioning import local_bases
 # Also PyTorch's result tuples as pytrees (NOTE [PyTorch's result tuples]).
 from .pytrees import flags_kept, registered_from_torch
+from .recurrent_cudnn import without_cudnn_in_recurrent_forwards
 from .generator_calls import makes_generators
 from .random_state import referenced_generators
 from .runtime import (
@@ -325,10 +326,11 @@ class JaxifiedFunction:
 
     def _resolve(self, in_tree: Any, in_avals: tuple[Aval, ...], arrays: list[jax.Array]) -> _Signature:
         check_environment()
-        raw = self._raw_fn(in_tree)
-        flat = self._flat_fn(raw)
         # Their training flags count too (NOTE [a graph per training mode]).
         modules = referenced_modules(self.torch_fn)
+        # NOTE [recurrent modules without cuDNN]: every run of the function, trial runs too.
+        raw = without_cudnn_in_recurrent_forwards(self._raw_fn(in_tree), modules)
+        flat = self._flat_fn(raw)
         # Before the runs below, which may register (lazy modules). NOTE [a
         # name rebound after a call]
         structure = StructureSeen(modules, BindingsSeen(self.torch_fn))

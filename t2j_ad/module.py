@@ -118,6 +118,7 @@ from .module_structure import ModuleChangedError
 from .held_bindings import binding_in, place_for_release, release_after_the_call
 from .module_locks import acquire, in_lock_order, release
 from .real_writes import forwards_end_here
+from .recurrent_cudnn import cudnn_off
 
 
 def _warn_narrowed_params_beside_wide_buffers(module: torch.nn.Module, params: Mapping[str, Any]) -> None:
@@ -306,11 +307,16 @@ def _weight_lists_renewed(recurrent: Sequence[torch.nn.Module]) -> None:
     """Point each recurrent module's weight list (which its forward renews
     from its tables, and ``flatten_parameters`` reads) at its own weights
     again, not at those of the call that just ended: XLA's buffers, freed or
-    reused after it (NOTE [inputs kept past a call] in kept_inputs.py)."""
-    for module in recurrent:
-        renew = getattr(module, "_update_flat_weights", None)  # private, as long as torch.nn.RNNBase has had it
-        if renew is not None:
-            renew()
+    reused after it (NOTE [inputs kept past a call] in kept_inputs.py).
+    With cuDNN off, whose flatten would copy the weights into a new buffer
+    after every call (NOTE [recurrent modules without cuDNN])."""
+    if not recurrent:
+        return
+    with cudnn_off():
+        for module in recurrent:
+            renew = getattr(module, "_update_flat_weights", None)  # private, as long as torch.nn.RNNBase has had it
+            if renew is not None:
+                renew()
 
 
 def _unbound_params_error(module: torch.nn.Module, unbound: Sequence[str]) -> ModuleChangedError:

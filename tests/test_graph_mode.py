@@ -1398,8 +1398,11 @@ def test_recurrent_modules_trace_as_graphs(cls):
     def t_loss(p):
         return torch.func.functional_call(module, p, (to_torch(x),))[0].square().sum()
 
-    expected_value = to_numpy(t_loss(weights))
-    expected_grad = {k: to_numpy(g) for k, g in torch.func.grad(t_loss)(weights).items()}
+    # torch.func refuses cuDNN's path on CUDA; t2j_ad takes PyTorch's own
+    # kernels (NOTE [recurrent modules without cuDNN] in recurrent_cudnn.py).
+    with torch.backends.cudnn.flags(enabled=False):
+        expected_value = to_numpy(t_loss(weights))
+        expected_grad = {k: to_numpy(g) for k, g in torch.func.grad(t_loss)(weights).items()}
     for mode in ("eager", "graph"):
         apply, params = t2j_ad.jaxify_module(module, compile=mode)
         with no_fallback():
@@ -1434,7 +1437,8 @@ def test_recurrent_weight_lists_bound_by_others_trace_and_own_state_is_refused()
     x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 3)), jnp.float32)
     for module in (lstm, normed):
         weights = {k: v.detach() for k, v in module.named_parameters()}
-        expected = torch.func.grad(lambda p: torch.func.functional_call(module, p, (to_torch(x),))[0].sum())(weights)
+        with torch.backends.cudnn.flags(enabled=False):  # NOTE [recurrent modules without cuDNN]
+            expected = torch.func.grad(lambda p: torch.func.functional_call(module, p, (to_torch(x),))[0].sum())(weights)
         functional = t2j_ad.jaxify(lambda p, x: torch.func.functional_call(module, p, (x,))[0].sum(), compile="graph")
         apply, params = t2j_ad.jaxify_module(module, compile="graph")
         with no_fallback():
