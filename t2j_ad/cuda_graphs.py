@@ -19,6 +19,15 @@ dropout left PyTorch's generator two draws on). The runner replays only once a
 call has shown that the function leaves its inputs alone: a replay reads
 copies, so it could not see a write into XLA's buffers to refuse it.
 
+Where that first run raises, the error is the call's, raised as any call's
+(``torch.linalg.cholesky`` of a matrix that is not positive definite, the
+inputs' fault): nothing is captured, and the next call runs and captures
+again. That run was given up as a capture that failed, with a warning
+naming the inputs' error, and the caller ran the function a second time to
+raise it, which updated kept state (a batch norm's statistics) or drew a
+second time in one call (NOTE [a first run that fails on its inputs] in
+graph_mode.py for a trace's first run).
+
 The static buffers are shared by every call of this TorchFn, so the
 copy-replay-copy sequence holds a lock, and a call on another stream than
 the previous call's first waits for the event that call recorded: the
@@ -78,9 +87,10 @@ class CudaGraphCall:
         self.done: Any = None  # recorded by the previous call ...
         self.done_on: Any = None  # ... on this stream
 
-    def _first_call(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
+    def _first_call(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """This call, run on a side stream (the capture's warm-up), then the
-        capture; the call's results, or None when the run itself failed."""
+        capture; the call's results. Raises what the run itself raises,
+        capturing nothing (NOTE [CUDA graph replay])."""
         current = torch.cuda.current_stream()
         static_inputs = [torch.empty_like(t) for t in inputs]
         side = torch.cuda.Stream(device=current.device)
@@ -90,10 +100,8 @@ class CudaGraphCall:
                 for static, t in zip(static_inputs, inputs):
                     static.copy_(t)
                 results = tuple(self.run(*static_inputs))
-        except Exception as err:  # noqa: BLE001 - the caller runs it again, raising as usual
-            self._refused(err)
-            return None
-        current.wait_stream(side)
+        finally:
+            current.wait_stream(side)  # XLA's later work, and the error's reader, after what it queued
         for r in results:
             if r.is_cuda:
                 r.record_stream(current)  # read there, by the copies into XLA's buffers
@@ -136,10 +144,10 @@ class CudaGraphCall:
     def __call__(self, stream: torch.cuda.Stream, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """This call's results: a replay's static outputs, or the first
         call's own; None when the function must run without a CUDA graph.
-        ``stream`` is the current stream, passed in because
-        ``torch.cuda.current_stream()`` costs microseconds per call. The
-        caller copies the result while holding ``lock`` and then calls
-        ``finished``."""
+        Raises what a first call's run raises. ``stream`` is the current
+        stream, passed in because ``torch.cuda.current_stream()`` costs
+        microseconds per call. The caller copies the result while holding
+        ``lock`` and then calls ``finished``."""
         if self.failed:
             return None
         if self.graph is None:

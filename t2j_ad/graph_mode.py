@@ -440,13 +440,40 @@ def trace(
     # Drop what no output needs: the primal work a derivative discards, and
     # the shape checks of PyTorch's ZeroTensor fallback (meta-device copies,
     # which fail if replayed). Random ops count as impure, so the graph draws
-    # the same numbers as eager.
+    # the same numbers as eager; an op that returns nothing stays (NOTE [a
+    # check that returns nothing]).
     fold_tangent_zeros(graph)
-    graph.graph.eliminate_dead_code()
+    graph.graph.eliminate_dead_code(is_impure_node=_kept_when_unused)
     recompile(graph)
     refuse_scalar_reads(graph)
     refuse_lost_results(graph)
     return graph
+
+
+# NOTE [a check that returns nothing]
+# ``torch.linalg.cholesky`` traces as ``linalg_cholesky_ex``, whose factor
+# the graph returns, and ``_linalg_check_errors`` of its ``info``, which
+# returns nothing and raises where the matrix is not positive definite. FX's
+# dead-code elimination keeps a node whose result is unused only where
+# PyTorch marks its op as having effects, and torch 2.11 does not mark that
+# one (torch 2.13 does): on the H100 run (torch 2.11) the graph of a
+# Cholesky factor of a matrix that is not positive definite returned NaN
+# where eager PyTorch raises, its first run passed for a working one, and a
+# trace that failed on those inputs was never told from one that did not
+# (NOTE [a first run that fails on its inputs]). An aten op that returns
+# nothing and writes nothing can only be there for what it does besides
+# (check, raise, print), so the trace keeps every such node, whatever the
+# PyTorch version marks.
+
+
+def _kept_when_unused(node: torch.fx.Node) -> bool:
+    """Whether dead-code elimination keeps ``node`` though nothing reads its
+    result: FX's own rule, or an aten op that returns nothing (NOTE [a check
+    that returns nothing])."""
+    if node.is_impure():
+        return True
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and not target._schema.returns
 
 
 def compile_with_inductor(graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> Flat:

@@ -690,10 +690,16 @@ class _Runner:
     ) -> bool:
         """One call by CUDA graph replay on ``stream``, XLA's and the current
         one (NOTE [CUDA graph replay]); False when capture failed, so the
-        caller runs the aten graph instead."""
+        caller runs the aten graph instead. Raises the error of a first
+        call's run, which was the call."""
         graph = self.cuda_graph
         with graph.lock:
-            results = graph(stream, *inputs)
+            try:
+                results = graph(stream, *inputs)
+            except TorchCallError:
+                raise
+            except Exception as err:  # the first call's own run: the call's error (NOTE [CUDA graph replay])
+                raise self._failure(err) from err
             if results is None:
                 self.cuda_graph = None
                 return False

@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
+from t2j_ad import runtime
 from t2j_ad.cuda_graphs import CudaGraphCall
 from t2j_ad.rules.fallbacks import FallbackWarning
+from t2j_ad.torch_fn import Aval, BaseFn, TorchFn
 
 
 class RecordedEvent:
@@ -175,18 +178,80 @@ def test_the_first_call_runs_the_function_once_and_later_calls_replay_once(monke
     assert runs == ["run", "replay"]
 
 
-def test_a_first_run_that_raises_is_left_to_the_caller(monkeypatch):
-    # The caller runs the function again without a CUDA graph, which raises
-    # the function's own error as any call does.
-    _stub_cuda(monkeypatch, DeviceStream("cuda:0"), [False])
+def test_a_first_run_that_raises_raises_and_a_later_call_captures(monkeypatch):
+    # NOTE [CUDA graph replay]: the first call's run is the call, so its
+    # error is the call's; nothing is captured, and a later call that works
+    # captures. It was given up as a failed capture, with a warning.
+    xla = DeviceStream("cuda:0")
+    _, captures = _stub_cuda(monkeypatch, xla, [False])
 
-    def broken(x):
-        raise ValueError("no")
+    def refuses_negatives(x):
+        if bool((x < 0).any()):
+            raise ValueError("negative")
+        return (x * 2,)
 
-    call = CudaGraphCall(broken, "broken", new_event=RecordedEvent)
-    with pytest.warns(FallbackWarning, match="could not be captured"):
-        assert call(DeviceStream("cuda:0"), torch.ones(2)) is None
-    assert call.failed and call.graph is None
+    call = CudaGraphCall(refuses_negatives, "refuses_negatives", new_event=RecordedEvent)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        with pytest.raises(ValueError, match="negative"):
+            call(xla, -torch.ones(2))
+        assert not call.failed and call.graph is None and captures == []
+        (result,) = call(xla, torch.ones(2))
+    torch.testing.assert_close(result, torch.full((2,), 2.0))
+    assert call.graph is not None and len(captures) == 1
+
+
+def _cholesky_call(counted: list[int], capturing: list[bool]) -> TorchFn:
+    """A TorchFn of a Cholesky factor's sum, a 2 x 2 float32 matrix in,
+    counting its runs outside captures (as a batch norm counts batches)."""
+
+    def cholesky_sum(a: torch.Tensor) -> torch.Tensor:
+        if not capturing[0]:
+            counted.append(1)
+        return torch.linalg.cholesky(a).sum()
+
+    return TorchFn.of(
+        BaseFn(
+            lambda a: (cholesky_sum(a),),
+            name="cholesky_sum",
+            vmap_method="auto",
+            in_avals=(Aval((2, 2), np.dtype(np.float32)),),
+            out_avals=(Aval((), np.dtype(np.float32)),),
+            out_names=("cholesky_sum: output",),
+            torch_out_dtypes=(torch.float32,),
+            mutation_checked=True,
+            direct=cholesky_sum,
+            direct_single=True,
+        )
+    )
+
+
+def test_a_first_call_that_raises_on_its_inputs_runs_once_and_keeps_its_cuda_graph(monkeypatch):
+    # The runner ran the function a second time to raise the first call's
+    # error, so what it updates (a batch norm's statistics) or draws was
+    # updated or drawn twice in that call; and the CUDA graph was given up
+    # for good, with a warning blaming the capture for the inputs' error.
+    xla = DeviceStream("cuda:0")
+    capturing, replays = [False], []
+    _, captures = _stub_cuda(monkeypatch, xla, capturing, replays=replays)
+    target = RecordedStream("xla")  # XLA's stream as the runner wraps it
+    monkeypatch.setattr(runtime, "external_stream", lambda stream, device: target)
+    monkeypatch.setattr(runtime, "run_on_stream", lambda target, fn, *args: fn(*args))
+    counted: list[int] = []
+    fun = _cholesky_call(counted, capturing)
+    runner = runtime.runner_for(fun)
+    runner.cuda_graph = CudaGraphCall(runner.impl, "cholesky_sum", new_event=RecordedEvent)
+    good = torch.eye(2) * 4.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        with pytest.raises(runtime.TorchCallError, match="cholesky_sum raised .*not positive-definite"):
+            runtime.run_into(fun, [-good], [torch.empty(())], stream=1234)
+        assert counted == [1]  # as eager PyTorch runs it: once
+        out = torch.empty(())
+        for _ in range(2):
+            runtime.run_into(fun, [good], [out], stream=1234)
+            torch.testing.assert_close(out, torch.linalg.cholesky(good).sum())
+    assert counted == [1, 1] and len(captures) == 1 and replays == ["replay"]
 
 
 def test_a_cuda_graph_whose_held_tensor_moved_is_no_longer_replayed():
