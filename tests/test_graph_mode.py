@@ -1618,15 +1618,17 @@ def test_attention_draws_only_with_dropout(dropout_p):
 def test_a_failing_replay_prints_nothing(capfd):
     # FX's GraphModule.__call__ printed the graph's code to stderr on every
     # failing call, also when the caller caught the error; eager prints none.
-    f = t2j_ad.jaxify(lambda x, i: torch.index_select(x, 0, i) * 2, compile="graph")
-    x = jnp.arange(3.0)
-    assert_tree_allclose(f(x, jnp.array([1])), jnp.array([2.0]))
+    # The failure is one PyTorch raises on CUDA too: an index out of range is
+    # a device-side assert there, which aborted the H100 run's process.
+    f = t2j_ad.jaxify(lambda a: torch.linalg.cholesky(a).sum(), compile="graph")
+    good = jnp.eye(2) * 4.0
+    assert_tree_allclose(f(good), jnp.array(4.0))
     capfd.readouterr()
     for _ in range(2):
-        with pytest.raises(Exception, match="index out of range"):
-            jax.block_until_ready(f(x, jnp.array([7])))
+        with pytest.raises(Exception, match="not positive-definite"):
+            jax.block_until_ready(f(-good))
     assert "Traceback" not in capfd.readouterr().err
-    assert_tree_allclose(f(x, jnp.array([2])), jnp.array([4.0]))
+    assert_tree_allclose(f(good * 4.0), jnp.array(8.0))
 
 
 class _Marked(torch.Tensor):
@@ -1691,9 +1693,9 @@ class _HeadThatReadsItsValue(torch.nn.Linear):
         return y if y.sum() > 0 else -y
 
 
-def _live_artifacts() -> int:
+def _live_artifacts() -> list[graph_mode.Artifact]:
     gc.collect()
-    return sum(type(o) is graph_mode.Artifact for o in gc.get_objects())
+    return [o for o in gc.get_objects() if type(o) is graph_mode.Artifact]
 
 
 def test_dropped_graphs_are_counted_not_kept_one_by_one(x64, monkeypatch):
@@ -1714,6 +1716,11 @@ def test_dropped_graphs_are_counted_not_kept_one_by_one(x64, monkeypatch):
     x = jnp.array([1.0, -0.5, 0.25])
     reads_its_value = lambda k: k % 3 == 2  # noqa: E731 - every third head runs eagerly
     first_steps, more_drops = graph_mode._GRAPHS_KEPT + 10, 40
+    # Those of earlier tests, held here: freed during the steps (a GPU's
+    # asynchronous calls of theirs ending, their programs leaving JAX's
+    # caches), they took the count down whatever this function held (the
+    # H100 run counted 52, then 50).
+    others = _live_artifacts()
     held = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)
@@ -1722,14 +1729,14 @@ def test_dropped_graphs_are_counted_not_kept_one_by_one(x64, monkeypatch):
             net[2] = head(4, 2).double().to(TORCH_DEVICE)
             np.testing.assert_allclose(step(x), (net(to_torch(x)) ** 2).sum().item(), rtol=1e-12)
             if k + 1 == first_steps:
-                held.append(_live_artifacts())
-    held.append(_live_artifacts())
+                held.append(len(_live_artifacts()) - len(others))
+    held.append(len(_live_artifacts()) - len(others))
     steps = first_steps + more_drops
     stats = f.compile_stats()
     eager = sum(reads_its_value(k) for k in range(steps))
     assert (stats["graphs"], stats["eager_fallbacks"], stats["compile_seconds"]) == (steps - eager, eager, 0.0), stats
     assert stats["trace_seconds"] > 0
-    assert held[1] == held[0], held  # one more stub artifact per drop before
+    assert held[1] <= held[0], held  # one more stub artifact per drop before: 40 more
     f.clear_cache()
     assert f.compile_stats() == graph_mode.no_stats() == {
         "graphs": 0,

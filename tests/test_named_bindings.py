@@ -139,7 +139,7 @@ def test_under_jit_a_rebinding_that_changes_the_draws_is_refused_until_traced_ag
         return torch.nn.functional.dropout(x, 0.5)
 
     with pytest.raises(Exception, match="a name it reads now holds another module, function or state tensor"):
-        f(x)
+        jax.block_until_ready(f(x))  # on a GPU the call's error comes when it has run
     g = t2j_ad.jaxify(lambda x: (noise(x) ** 2).sum())
     _against_torch_func(jax.jit(g), lambda t: (noise(t) ** 2).sum(), x)
 
