@@ -99,7 +99,7 @@ DIRECT = {
     ),
     "aten._native_batch_norm_legit_functional": (
         lambda x, w, b: torch.ops.aten._native_batch_norm_legit_functional(
-            x, w, b, torch.zeros(4, dtype=x.dtype), torch.ones(4, dtype=x.dtype), True, 0.1, EPS
+            x, w, b, torch.zeros(4, dtype=x.dtype, device=x.device), torch.ones(4, dtype=x.dtype, device=x.device), True, 0.1, EPS
         )[0],
         "batch_norm",
     ),

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import TORCH_DEVICE, finishes_within, run_in_threads
+from conftest import TORCH_DEVICE, finishes_within, run_in_threads, to_numpy
 
 import t2j_ad
 
@@ -202,7 +202,7 @@ def test_a_module_call_nesting_a_call_beside_a_first_call_of_a_function_closing_
     calls = 30
     if inner_kind == "new shape":
         step = [0]
-        inner = t2j_ad.jaxify(lambda v: v * 2)
+        inner = t2j_ad.jaxify(lambda v: v * 2, compile="eager")
 
         def make_input() -> jax.Array:
             step[0] += 1
@@ -210,8 +210,8 @@ def test_a_module_call_nesting_a_call_beside_a_first_call_of_a_function_closing_
 
         nested_sums = [2.0 * n for n in range(1, calls + 1)]
     else:
-        bn = torch.nn.BatchNorm1d(3).train()
-        inner = t2j_ad.jaxify(lambda v: bn(v))
+        bn = torch.nn.BatchNorm1d(3).train().to(TORCH_DEVICE)  # the device of the arrays it is called on
+        inner = t2j_ad.jaxify(lambda v: bn(v), compile="eager")
 
         def make_input() -> jax.Array:
             return jnp.arange(12.0, dtype=jnp.float32).reshape(4, 3)  # made in the forward, as the module's own
@@ -220,8 +220,9 @@ def test_a_module_call_nesting_a_call_beside_a_first_call_of_a_function_closing_
         reference_bn = torch.nn.BatchNorm1d(3).train()
         with torch.no_grad():
             nested_sums = [float(reference_bn(torch.arange(12.0).reshape(4, 3)).sum()) for _ in range(calls)]
-    outer = _Nesting(inner, make_input)
-    apply, params = t2j_ad.jaxify_module(outer, output_shapes=jax.ShapeDtypeStruct((1, 3), jnp.float32))
+    outer = _Nesting(inner, make_input).to(TORCH_DEVICE)  # closing_over runs outer.lin on the arrays' device
+    # The nested sums count the forward's runs: eager, as T2J_AD_COMPILE=graph would trace it once more.
+    apply, params = t2j_ad.jaxify_module(outer, output_shapes=jax.ShapeDtypeStruct((1, 3), jnp.float32), compile="eager")
     # In graph mode the trace, which holds the trial-run lock around its
     # trial run, takes the module's locks with it (NOTE [waiting for a lock
     # without the trial-run lock] in module_locks.py).
@@ -239,11 +240,11 @@ def test_a_module_call_nesting_a_call_beside_a_first_call_of_a_function_closing_
 
     _run_both_or_fail([module_calls, first_calls], seconds=30)
     with torch.no_grad():
-        linear = outer.lin(torch.ones(1, 3))
+        linear = outer.lin(torch.ones(1, 3, device=TORCH_DEVICE))
         for k, got in enumerate(got_apply):
-            np.testing.assert_allclose(got, (linear + nested_sums[k]).numpy(), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(got, to_numpy(linear + nested_sums[k]), rtol=1e-5, atol=1e-5)
         for k, got in enumerate(got_closing, start=1):
-            np.testing.assert_allclose(got, outer.lin(torch.ones(k, 3)).numpy(), rtol=1e-6)
+            np.testing.assert_allclose(got, to_numpy(outer.lin(torch.ones(k, 3, device=TORCH_DEVICE))), rtol=1e-6)
     if inner_kind == "updates state":
         assert int(bn.num_batches_tracked) == calls + 1
 

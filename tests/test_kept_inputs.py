@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import ON_GPU, to_numpy
+from conftest import ON_GPU, TORCH_DEVICE, to_numpy
 
 import t2j_ad
 from t2j_ad import kept_inputs, runtime
@@ -160,14 +160,42 @@ def test_a_nested_call_keeping_its_input_in_its_callers_trial_run_leaves_the_cal
 # NOTE [inputs kept by their address]: what holds an input's memory by its
 # address, which moving the storage does not reach (found by the ninth
 # fuzzing pass: a logging forward's arrays read XLA's reused buffers, and
-# writes through them segfaulted).
+# writes through them segfaulted). NumPy reaches only the host's memory: on
+# the CPU ``.cpu()`` is the tensor itself, so the NumPy holders below hold
+# the input's memory; on CUDA it is the copy to the host that NumPy itself
+# needs (``np.asarray`` of a CUDA tensor is refused), which holds nothing of
+# the input, and the call must give the same log. DLPack holds the input's
+# memory on either device.
 _BY_ADDRESS = {
     "numpy": lambda x: x.detach().cpu().numpy(),
-    "asarray": lambda x: np.asarray(x.detach()),
-    "memoryview": lambda x: memoryview(x.detach().numpy()),
-    "from_numpy": lambda x: torch.from_numpy(x.detach().numpy()),
+    "asarray": lambda x: np.asarray(x.detach().cpu()),
+    "memoryview": lambda x: memoryview(x.detach().cpu().numpy()),
+    "from_numpy": lambda x: torch.from_numpy(x.detach().cpu().numpy()),
     "from_dlpack": lambda x: torch.from_dlpack(x.detach()),
 }
+
+
+def _address_holder(x: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """What holds ``x``'s memory by its address, on its own device: a NumPy
+    array on the CPU, a tensor made through DLPack on CUDA (NumPy cannot reach
+    device memory)."""
+    return x.numpy() if x.device.type == "cpu" else torch.from_dlpack(x)
+
+
+def _value(entry: np.ndarray | memoryview | torch.Tensor) -> np.ndarray:
+    """What a log entry holds, read into NumPy from its own device."""
+    return to_numpy(entry) if isinstance(entry, torch.Tensor) else np.asarray(entry)
+
+
+def _overwrite(entry: np.ndarray | memoryview | torch.Tensor) -> None:
+    """Writes -1 into the memory a log entry holds, on its own device, and
+    waits for the write."""
+    if isinstance(entry, torch.Tensor):
+        entry.fill_(-1.0)
+        if entry.is_cuda:
+            torch.cuda.synchronize(entry.device)
+    else:
+        np.asarray(entry)[:] = -1.0
 
 
 class _Logger(torch.nn.Module):
@@ -184,7 +212,7 @@ class _Logger(torch.nn.Module):
 
 
 def _logged(log: list) -> np.ndarray:
-    return np.stack([np.asarray(entry) for entry in log])
+    return np.stack([_value(entry) for entry in log])
 
 
 def _logged_by_jaxify_module(keep, xs: np.ndarray, compile: str) -> _Logger:
@@ -215,7 +243,7 @@ def test_an_input_kept_by_its_address_holds_its_value(holder, compile):
 
     live = [jnp.full(64, 7.0) + k for k in range(50)]  # JAX arrays made after the calls
     for entry in module.log[-5:]:
-        np.asarray(entry)[:] = -1.0  # the user's own memory, as in PyTorch
+        _overwrite(entry)  # the user's own memory, as in PyTorch
     for k, array in enumerate(live):
         np.testing.assert_array_equal(to_numpy(array), np.full(64, 7.0 + k, np.float32))
 
@@ -225,7 +253,7 @@ def test_a_function_that_starts_keeping_inputs_by_their_address_fails_that_call_
 
     def fn(x, keep):
         if bool(keep):
-            log.append(x.numpy())
+            log.append(_address_holder(x))
         return x * 2
 
     step = jax.jit(t2j_ad.jaxify(fn))
@@ -236,7 +264,7 @@ def test_a_function_that_starts_keeping_inputs_by_their_address_fails_that_call_
     for i in range(3):
         jax.block_until_ready(step(jnp.full((4,), float(i)), True))
         [jax.block_until_ready(jnp.full((4,), -1.0) + 0) for _ in range(50)]  # same-sized work after it
-        np.testing.assert_array_equal(log[-1], np.full(4, float(i), np.float32))
+        np.testing.assert_array_equal(_value(log[-1]), np.full(4, float(i), np.float32))
 
 
 def test_a_failing_call_that_kept_an_input_by_its_address_raises_its_own_error():
@@ -244,7 +272,7 @@ def test_a_failing_call_that_kept_an_input_by_its_address_raises_its_own_error()
 
     def fn(x, fail):
         if bool(fail):
-            log.append(x.numpy())
+            log.append(_address_holder(x))
             raise ValueError("the function's own error")
         return x * 2
 
@@ -326,7 +354,7 @@ def test_a_view_the_caller_holds_of_an_input_is_no_holder_of_its_address(compile
             got = to_numpy(step(x))
         want = reference_step(torch.full((4,), float(k)), torch.zeros(4))
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
-        np.testing.assert_array_equal(mine.numpy(), np.full(4, float(k), np.float32))
+        np.testing.assert_array_equal(to_numpy(mine), np.full(4, float(k), np.float32))
     np.testing.assert_array_equal(to_numpy(store["a"]), np.full(4, 4.0, np.float32))
 
 
@@ -358,7 +386,7 @@ def test_a_view_the_caller_holds_is_no_holder_after_a_collection_during_the_call
         log = {"x": view}  # the caller's view, held by a container made after it
         del view
         np.testing.assert_array_equal(to_numpy(jf(x)), np.full(8, 2.0 * k, np.float32))
-        np.testing.assert_array_equal(log["x"].numpy(), np.full(8, float(k), np.float32))
+        np.testing.assert_array_equal(to_numpy(log["x"]), np.full(8, float(k), np.float32))
     np.testing.assert_array_equal(to_numpy(state["prev"]), np.full(8, 3.0, np.float32))
 
 
@@ -434,7 +462,7 @@ def test_calls_that_keep_nothing_copy_nothing(monkeypatch, compile):
     reads = t2j_ad.jaxify(_reads_its_storage, compile=compile)
     module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
     apply, params = t2j_ad.jaxify_module(module, compile=compile)
-    lin = torch.nn.Linear(4, 4)  # a parameter: the first run of a graph for a flag records autograd history
+    lin = torch.nn.Linear(4, 4).to(TORCH_DEVICE)  # a parameter: the first run of a graph for a flag records autograd history
     flagged = t2j_ad.jaxify(lambda x: x @ lin.weight.T * (2.0 if lin.training else 3.0), compile=compile)
 
     def toggled():

@@ -487,17 +487,53 @@ def test_a_params_entry_cast_alone_is_named_in_pytorchs_dtype_error():
     np.testing.assert_array_equal(np.asarray(apply(half, x).astype(jnp.float32)), to_numpy(expected.float()))
 
 
-def test_params_cast_alike_name_the_buffers_left_in_another_dtype():
-    """Every params entry and the input in bfloat16, BatchNorm's running
-    statistics still float32: the note told the user to cast every parameter
-    and the inputs alike, which they had, and named no buffer."""
-    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).eval().to(TORCH_DEVICE)
+class _MixedByABuffer(nn.Module):
+    """A Linear whose output a buffer mixes (``@``): a matmul refuses a buffer
+    in another dtype on every device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+        self.register_buffer("mix", torch.eye(4) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) @ self.mix
+
+
+# What keeps a buffer float32 when every parameter is cast: name -> (the
+# module, the buffers named). BatchNorm's running statistics are refused by
+# the CPU's batch norm; CUDA's takes bfloat16 inputs with float32 statistics.
+_BUFFERS_LEFT_FLOAT32 = {
+    "batch_norm": (lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).eval(), r"1\.running_mean, 1\.running_var"),
+    "matmul": (_MixedByABuffer, "mix"),
+}
+
+
+@pytest.mark.parametrize("kind", list(_BUFFERS_LEFT_FLOAT32))
+def test_params_cast_alike_name_the_buffers_left_in_another_dtype(kind):
+    """Every params entry and the input in bfloat16, a buffer still float32
+    (BatchNorm's running statistics): the note told the user to cast every
+    parameter and the inputs alike, which they had, and named no buffer.
+    Where PyTorch itself runs the mixed dtypes (CUDA's batch norm), the call
+    gives what PyTorch gives."""
+    make, buffers = _BUFFERS_LEFT_FLOAT32[kind]
+    torch.manual_seed(0)
+    net = make().to(TORCH_DEVICE)
     apply, params = t2j_ad.jaxify_module(net)
     half = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
     x = jnp.ones((2, 3), jnp.bfloat16)
-    named = r"buffers 1\.running_mean, 1\.running_var are float32: .*module\.to\(torch\.bfloat16\)"
-    with pytest.raises(Exception, match=named):
-        jax.block_until_ready(apply(half, x))
+    as_given = {k: to_torch(v.astype(jnp.float32)).bfloat16() for k, v in params.items()}
+    try:
+        with torch.no_grad():
+            eager = torch.func.functional_call(net, as_given, (to_torch(x.astype(jnp.float32)).bfloat16(),))
+    except RuntimeError:  # PyTorch refuses the float32 buffers on this device
+        eager = None
+    if eager is not None:
+        np.testing.assert_array_equal(np.asarray(apply(half, x).astype(jnp.float32)), to_numpy(eager.float()))
+    else:
+        named = rf"buffers {buffers} are float32: .*module\.to\(torch\.bfloat16\)"
+        with pytest.raises(Exception, match=named):
+            jax.block_until_ready(apply(half, x))
     # The fix it names: the module in bfloat16 before jaxify_module, as PyTorch runs it.
     apply, params = t2j_ad.jaxify_module(net.to(torch.bfloat16))
     with torch.no_grad():
