@@ -196,10 +196,31 @@ def j2t(x: Any) -> torch.Tensor:
         UnsupportedDtypeError: ``x``'s dtype has no torch counterpart.
     """
     _refuse_float0(x)
-    x, _ = single_device(x)
+    x, device = single_device(x)
     torch_dtype(x.dtype)  # refuse unsupported dtypes with our message
     note_jax_inside("converts a JAX array to a tensor (t2j_ad.tree_j2t)")  # NOTE [JAX inside a trace]
+    if device.platform != "cpu":
+        x.block_until_ready()  # NOTE [a failed computation read through DLPack]
     return note_callers_view(torch.from_dlpack(x))  # NOTE [the caller's own views] in kept_inputs.py
+
+
+# NOTE [a failed computation read through DLPack]
+# On a GPU, JAX hands back a call's arrays before the computation has run
+# on the device, and a computation that failed (a PyTorch function that
+# raised inside a jaxified call) reports its error through those arrays:
+# reading one with NumPy or ``block_until_ready`` raises it. ``torch.from_dlpack``
+# on a GPU array does neither: JAX only makes PyTorch's stream wait for the
+# buffer, and the error is never raised, so PyTorch went on with a buffer
+# nothing had written. A jaxified function called inside another's PyTorch
+# code (``tree_j2t(inner(x))``), refused there (it read a tensor the outer
+# derivative differentiates: NOTE [a call inside torch.func transforms] in
+# runtime.py), so returned garbage and the outer call no error, where the
+# CPU, whose DLPack export waits for the array, raised the refusal (an H100
+# run at jax 0.11.2, torch 2.11). So ``j2t`` waits for a GPU array before it
+# shares it, which raises the computation's error as reading it in JAX
+# would. The cost is the wait: PyTorch's work on the tensor no longer
+# overlaps the computation that makes it. On the CPU the export waits
+# already.
 
 
 def copy_to_torch(x: Any) -> torch.Tensor:

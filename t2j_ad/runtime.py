@@ -622,9 +622,16 @@ class _Runner:
         if self.assumed is not None and not self.assumed.holds():
             self._forget_graph()
         # A replay reads copies of the inputs, so the eager check must first
-        # have seen the function leave them alone (NOTE [CUDA graph replay]).
+        # have seen the function leave them alone (NOTE [CUDA graph replay]);
+        # inside a trial run, the run must see the call's ops (NOTE [no CUDA
+        # graph inside a trial run]); inside a module call's bindings the
+        # call runs eagerly, on the tensors bound now, which a CUDA graph,
+        # holding those of its capture, would not read (NOTE [a graph inside
+        # a module call's bindings] in held_bindings.py).
         if (
             self.cuda_graph is None
+            or trial_running.depth
+            or (bound_now and self._runs_a_bound_module())
             or not self.base.mutation_checked
             or not self._replay_cuda_graph(inputs, outputs, target)
         ):
@@ -684,6 +691,22 @@ class _Runner:
         self.cuda_graph = None
         self.call_into = self.into_artifact = None
         self.call = self._first_compiled_call
+
+    # NOTE [no CUDA graph inside a trial run]
+    # A jaxified function called inside another's trial run (its shape
+    # inference on zeros and ones, or a graph-mode trace) runs as a trial run
+    # of its own, which watches the call's ops to put back the state it
+    # writes and to tell the caller what it drew and wrote (NOTE [a call
+    # inside a trial run], NOTE [a nested call's effects are its caller's] in
+    # real_writes.py). A CUDA graph's replay runs none of those ops through
+    # PyTorch's dispatcher, and its capture fills the generator's seed and
+    # offset tensors: on an H100, a graph-mode inner function captured on the
+    # caller's run on zeros and replayed on its run on ones, so the two runs
+    # "wrote differently" and the caller was refused, and a training-mode
+    # BatchNorm inside, replayed in trial runs that could not put its
+    # statistics back, counted 5 steps in 2. So inside a trial run the call
+    # runs its aten graph (or eagerly), never the CUDA graph, and captures
+    # none; its real calls replay the CUDA graph as before.
 
     def _replay_cuda_graph(
         self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], stream: torch.cuda.Stream

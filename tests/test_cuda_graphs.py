@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from t2j_ad import runtime
+from t2j_ad import real_writes, runtime
 from t2j_ad.cuda_graphs import CudaGraphCall
 from t2j_ad.rules.fallbacks import FallbackWarning
 from t2j_ad.torch_fn import Aval, BaseFn, TorchFn
@@ -274,3 +274,75 @@ def test_a_cuda_graph_whose_held_tensor_moved_is_no_longer_replayed():
         assert call(stream, x) is None  # once given up, for good, warned once
     messages = [str(r.message) for r in record if issubclass(r.category, FallbackWarning)]
     assert len(messages) == 1 and "moved to other memory" in messages[0]
+
+
+def test_a_call_inside_a_trial_run_neither_captures_nor_replays_its_cuda_graph(monkeypatch):
+    # NOTE [no CUDA graph inside a trial run]: a trial run watches the call's
+    # ops to put back what it writes and to tell its caller what it drew; a
+    # capture fills the generator's tensors and a replay runs no op through
+    # PyTorch (an H100: a graph-mode function called inside another's shape
+    # inference "wrote differently" on zeros than on ones, and a BatchNorm
+    # replayed in trial runs counted 5 steps in 2).
+    xla = DeviceStream("cuda:0")
+    capturing, replays = [False], []
+    _, captures = _stub_cuda(monkeypatch, xla, capturing, replays=replays)
+    target = RecordedStream("xla")
+    monkeypatch.setattr(runtime, "external_stream", lambda stream, device: target)
+    monkeypatch.setattr(runtime, "run_on_stream", lambda target, fn, *args: fn(*args))
+    counted: list[int] = []
+    fun = _cholesky_call(counted, capturing)
+    runner = runtime.runner_for(fun)
+    runner.cuda_graph = CudaGraphCall(runner.impl, "cholesky_sum", new_event=RecordedEvent)
+    good = torch.eye(2) * 4.0
+    expected = torch.linalg.cholesky(good).sum()
+
+    def call() -> torch.Tensor:
+        out = torch.empty(())
+        runtime.run_into(fun, [good], [out], stream=1234)
+        return out
+
+    with real_writes.trial_run():
+        torch.testing.assert_close(call(), expected)
+    assert captures == [] and replays == [] and counted == [1]  # the aten graph ran, in the run's sight
+    for _ in range(2):  # real calls: the first captures, the second replays
+        torch.testing.assert_close(call(), expected)
+    assert len(captures) == 1 and replays == ["replay"] and counted == [1, 1]
+    with real_writes.trial_run():
+        torch.testing.assert_close(call(), expected)
+    assert len(captures) == 1 and replays == ["replay"] and counted == [1, 1, 1]
+
+
+def test_a_call_inside_a_module_calls_bindings_does_not_replay_its_cuda_graph(monkeypatch):
+    # NOTE [a graph inside a module call's bindings]: inside a jaxify_module
+    # call that has bound its tensors in a module the function runs, the
+    # call runs on the tensors bound now; a CUDA graph replays what its
+    # capture held (an H100: a graph-mode part of the module, called first
+    # on its own, gave 1.67 inside the module's calls where PyTorch gives 2.29).
+    xla = DeviceStream("cuda:0")
+    capturing, replays = [False], []
+    _, captures = _stub_cuda(monkeypatch, xla, capturing, replays=replays)
+    target = RecordedStream("xla")
+    monkeypatch.setattr(runtime, "external_stream", lambda stream, device: target)
+    monkeypatch.setattr(runtime, "run_on_stream", lambda target, fn, *args: fn(*args))
+    counted: list[int] = []
+    fun = _cholesky_call(counted, capturing)
+    runner = runtime.runner_for(fun)
+    runner.cuda_graph = CudaGraphCall(runner.impl, "cholesky_sum", new_event=RecordedEvent)
+    good = torch.eye(2) * 4.0
+    out = torch.empty(())
+    for _ in range(2):  # captured, then replayed
+        runtime.run_into(fun, [good], [out], stream=1234)
+    assert len(captures) == 1 and replays == ["replay"] and counted == [1]
+    # As a call made inside such a module call finds it (the runner's own look).
+    monkeypatch.setitem(runtime.bound_now, (0, 0), [])
+    monkeypatch.setattr(runner, "_runs_a_bound_module", lambda: True)
+    eager_runs: list[int] = []
+
+    def eagerly_inside_bindings(inputs, outputs, stream):  # the runner's eager run, counted
+        eager_runs.append(stream)
+        outputs[0].copy_(fun.base.direct(*inputs))
+
+    monkeypatch.setattr(runner, "_eagerly_inside_bindings", eagerly_inside_bindings)
+    runtime.run_into(fun, [good], [out], stream=1234)
+    torch.testing.assert_close(out, torch.linalg.cholesky(good).sum())
+    assert replays == ["replay"] and eager_runs == [0] and counted == [1, 1]

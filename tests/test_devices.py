@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import ON_GPU, TORCH_DEVICE, assert_tree_allclose, cuda_only, to_torch
+from conftest import ON_GPU, TORCH_DEVICE, assert_tree_allclose, cuda_only, to_numpy, to_torch
 
 import t2j_ad
 from t2j_ad import compat, inference
@@ -376,3 +376,19 @@ def test_xla_stream_is_wrapped_once_per_device():
     assert wrapped and all(s.device_index == device for (_, device), s in wrapped.items())
     assert_tree_allclose(f(x + 1), jnp.sin(x + 1) * 2)
     assert cuda_streams._external_streams == wrapped
+
+
+def test_tree_j2t_of_a_call_that_failed_raises_its_error():
+    # NOTE [a failed computation read through DLPack]: on a GPU a failed
+    # call's arrays come back before its error, and torch.from_dlpack never
+    # raised it; PyTorch read a buffer nothing had written (an H100: a
+    # nested call's refusal was lost and the outer derivative went on).
+    def refuses_negatives(x):
+        if bool((x < 0).any()):
+            raise ValueError("refuses_negatives: a negative input")
+        return x * 2
+
+    f = t2j_ad.jaxify(refuses_negatives)
+    np.testing.assert_array_equal(to_numpy(t2j_ad.tree_j2t(f(jnp.ones(3, jnp.float32)))), np.full(3, 2.0))
+    with pytest.raises(Exception, match="a negative input"):
+        t2j_ad.tree_j2t(f(-jnp.ones(3, jnp.float32)))

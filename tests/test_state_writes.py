@@ -752,11 +752,11 @@ def test_a_module_calling_a_jaxify_module_of_its_own_part_keeps_the_parts_parame
         norm.bias.copy_(torch.linspace(-0.1, 0.1, 3))
     own = dict(norm.named_parameters())
     apply_part, part_params = t2j_ad.jaxify_module(norm, compile=mode)
-    twin = _RunsItsPartThenReadsIt(copy.deepcopy(norm), None)
+    twin = _RunsItsPartThenReadsIt(copy.deepcopy(norm), None).to(TORCH_DEVICE)
     if inner_first:  # else its shapes are inferred inside the outer's trial runs
         jax.block_until_ready(apply_part(part_params, _NESTED_INPUT))
         twin.part(to_torch(_NESTED_INPUT))
-    outer = _RunsItsPartThenReadsIt(norm, lambda: apply_part(part_params, _NESTED_INPUT))
+    outer = _RunsItsPartThenReadsIt(norm, lambda: apply_part(part_params, _NESTED_INPUT)).to(TORCH_DEVICE)
     apply, params = t2j_ad.jaxify_module(outer, compile=mode)
     step = jax.value_and_grad(apply)
     step = jax.jit(step) if how == "jit_value_and_grad" else step
