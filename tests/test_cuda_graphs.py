@@ -226,11 +226,10 @@ def _cholesky_call(counted: list[int], capturing: list[bool]) -> TorchFn:
     )
 
 
-def test_a_first_call_that_raises_on_its_inputs_runs_once_and_keeps_its_cuda_graph(monkeypatch):
-    # The runner ran the function a second time to raise the first call's
-    # error, so what it updates (a batch norm's statistics) or draws was
-    # updated or drawn twice in that call; and the CUDA graph was given up
-    # for good, with a warning blaming the capture for the inputs' error.
+def _runner_with_a_cuda_graph(monkeypatch):
+    """The runner of ``_cholesky_call`` on CPU stand-ins for CUDA (XLA's
+    stream current, the call run on it), holding a ``CudaGraphCall``; with
+    its runs outside captures counted, the captures and the replays listed."""
     xla = DeviceStream("cuda:0")
     capturing, replays = [False], []
     _, captures = _stub_cuda(monkeypatch, xla, capturing, replays=replays)
@@ -241,6 +240,15 @@ def test_a_first_call_that_raises_on_its_inputs_runs_once_and_keeps_its_cuda_gra
     fun = _cholesky_call(counted, capturing)
     runner = runtime.runner_for(fun)
     runner.cuda_graph = CudaGraphCall(runner.impl, "cholesky_sum", new_event=RecordedEvent)
+    return fun, runner, counted, captures, replays
+
+
+def test_a_first_call_that_raises_on_its_inputs_runs_once_and_keeps_its_cuda_graph(monkeypatch):
+    # The runner ran the function a second time to raise the first call's
+    # error, so what it updates (a batch norm's statistics) or draws was
+    # updated or drawn twice in that call; and the CUDA graph was given up
+    # for good, with a warning blaming the capture for the inputs' error.
+    fun, runner, counted, captures, replays = _runner_with_a_cuda_graph(monkeypatch)
     good = torch.eye(2) * 4.0
     with warnings.catch_warnings():
         warnings.simplefilter("error", FallbackWarning)
@@ -283,16 +291,7 @@ def test_a_call_inside_a_trial_run_neither_captures_nor_replays_its_cuda_graph(m
     # PyTorch (an H100: a graph-mode function called inside another's shape
     # inference "wrote differently" on zeros than on ones, and a BatchNorm
     # replayed in trial runs counted 5 steps in 2).
-    xla = DeviceStream("cuda:0")
-    capturing, replays = [False], []
-    _, captures = _stub_cuda(monkeypatch, xla, capturing, replays=replays)
-    target = RecordedStream("xla")
-    monkeypatch.setattr(runtime, "external_stream", lambda stream, device: target)
-    monkeypatch.setattr(runtime, "run_on_stream", lambda target, fn, *args: fn(*args))
-    counted: list[int] = []
-    fun = _cholesky_call(counted, capturing)
-    runner = runtime.runner_for(fun)
-    runner.cuda_graph = CudaGraphCall(runner.impl, "cholesky_sum", new_event=RecordedEvent)
+    fun, runner, counted, captures, replays = _runner_with_a_cuda_graph(monkeypatch)
     good = torch.eye(2) * 4.0
     expected = torch.linalg.cholesky(good).sum()
 
@@ -318,16 +317,7 @@ def test_a_call_inside_a_module_calls_bindings_does_not_replay_its_cuda_graph(mo
     # call runs on the tensors bound now; a CUDA graph replays what its
     # capture held (an H100: a graph-mode part of the module, called first
     # on its own, gave 1.67 inside the module's calls where PyTorch gives 2.29).
-    xla = DeviceStream("cuda:0")
-    capturing, replays = [False], []
-    _, captures = _stub_cuda(monkeypatch, xla, capturing, replays=replays)
-    target = RecordedStream("xla")
-    monkeypatch.setattr(runtime, "external_stream", lambda stream, device: target)
-    monkeypatch.setattr(runtime, "run_on_stream", lambda target, fn, *args: fn(*args))
-    counted: list[int] = []
-    fun = _cholesky_call(counted, capturing)
-    runner = runtime.runner_for(fun)
-    runner.cuda_graph = CudaGraphCall(runner.impl, "cholesky_sum", new_event=RecordedEvent)
+    fun, runner, counted, captures, replays = _runner_with_a_cuda_graph(monkeypatch)
     good = torch.eye(2) * 4.0
     out = torch.empty(())
     for _ in range(2):  # captured, then replayed
