@@ -22,8 +22,10 @@
 #   5. the benchmarks that make sense on a GPU (all but bench_sharded.py,
 #      which simulates 4 CPU devices), at modest sizes.
 # About 25 minutes in all with one pytest process per run; with pytest-xdist
-# (see PYTEST below) about 3 minutes a test run on a 16-core machine, and the
-# three test runs at once with T2J_AD_GPU_CONCURRENT=1. To split the run (a machine that limits each
+# (see PYTEST below) and the three test runs at once (T2J_AD_GPU_CONCURRENT=1)
+# about 3 minutes on a 16-core H200 on 2026-11-26, but 9 minutes on a 16-core
+# H100 on 2026-11-28 with the suite of then (the unit run 533 s, graph mode
+# 272 s, callback 244 s), so a 10-minute command ends before step 4. To split the run (a machine that limits each
 # command's time), name the steps to run after preflight and install:
 #   T2J_AD_GPU_STEPS="unit-and-property-tests bench-call-latency" bash scripts/run_gpu_checks.sh LOG_DIR
 # (the step names are those of the summary). Each step's output goes to the terminal and to
