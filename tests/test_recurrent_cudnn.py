@@ -37,8 +37,8 @@ _TENSOR_IS_CUDA = torch._C.TensorBase.is_cuda
 @pytest.fixture
 def cuda_path(monkeypatch):
     """``flatten_parameters`` sees its weights as CUDA tensors and cuDNN as
-    willing whenever it is on, as on a GPU; t2j_ad takes PyTorch for one
-    with cuDNN."""
+    willing whenever it is on, as on a GPU, up to its data_ptr() reads;
+    t2j_ad takes PyTorch for one with cuDNN."""
     assert "is_cuda" not in vars(torch.Tensor)
 
     def is_cuda(tensor: torch.Tensor) -> bool:
@@ -46,6 +46,10 @@ def cuda_path(monkeypatch):
 
     monkeypatch.setattr(torch.backends.cudnn, "is_acceptable", lambda tensor: torch.backends.cudnn.enabled)
     monkeypatch.setattr(recurrent_cudnn, "CUDNN_PRESENT", True)
+    # After the data_ptr() read: the flattening itself has only a CUDA
+    # kernel, which a CUDA build of torch (cuDNN built in) would call on
+    # these CPU weights; a CPU build answers False here anyway.
+    monkeypatch.setattr(torch, "_use_cudnn_rnn_flatten_weight", lambda: False)
     torch.Tensor.is_cuda = property(is_cuda)
     try:
         yield
