@@ -422,7 +422,9 @@ def trace(
             graph = make_fx(with_added, _DECOMPOSITIONS, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
             from_inputs = [name for name, computed in zip(added, _added_outputs_dropped(graph)) if computed]
             # Before the trial run puts it back:
-            refuse_state_kept_in_objects(attributes.cache_state(), attributes.hook_filled(), from_inputs)
+            refuse_state_kept_in_objects(
+                attributes.cache_state(), attributes.hook_filled(), from_inputs, attributes.lists_filled()
+            )
         if attributes.hooks_put_back:  # NOTE [a hook that removed itself in a trace]
             raise HookRemovedInTrace()
         refuse_module_side_effects(attributes.rebound, attributes.python_state)

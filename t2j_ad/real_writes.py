@@ -697,6 +697,11 @@ class TrialRun:
         inputs] in trial_caches.py)."""
         return self._caches.added_tensors()
 
+    def lists_filled(self) -> list[str]:
+        """Each list the function names whose tensors the run changed (NOTE
+        [lists a function fills] in trial_caches.py)."""
+        return self._caches.lists_filled()
+
     def hook_filled(self) -> list[str]:
         """What the run put, holding a tensor, in a dict or list a module hook
         fills (NOTE [what module hooks fill] in trial_caches.py)."""

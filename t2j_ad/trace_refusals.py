@@ -119,7 +119,10 @@ def refuse_module_side_effects(rebound: Sequence[str], python_state: Sequence[st
 
 
 def refuse_state_kept_in_objects(
-    changed: Sequence[str], hook_filled: Sequence[str] = (), from_inputs: Sequence[str] = ()
+    changed: Sequence[str],
+    hook_filled: Sequence[str] = (),
+    from_inputs: Sequence[str] = (),
+    lists_filled: Sequence[str] = (),
 ) -> None:
     """Raise ``NotTraceable`` if the trace rebound an entry a dict, or an
     attribute a plain object, it closes over already had, from or to a
@@ -129,11 +132,19 @@ def refuse_state_kept_in_objects(
     module hooks fill] in trial_caches.py); or added an entry computed from
     the function's inputs or a random draw, ``from_inputs`` (NOTE [an entry
     a trace adds, from the inputs] in trial_caches.py, NOTE [what an added
-    entry is computed from] in graph_mode.py)."""
+    entry is computed from] in graph_mode.py); or put a tensor into, or took
+    one out of, a list it closes over, ``lists_filled`` (NOTE [lists a
+    function fills] in trial_caches.py)."""
     if hook_filled:
         raise NotTraceable(
             f"a module hook changes a dict, list or object it names ({', '.join(dict.fromkeys(hook_filled))}: "
             f"saved activations, a call counter), and a graph replays no hook, so only eager calls fill it"
+        )
+    if lists_filled:
+        raise NotTraceable(
+            f"it appends a tensor to, or changes the tensors of, {', '.join(dict.fromkeys(lists_filled))} "
+            f"(saved inputs or activations), which a graph's replay would not do, so only eager calls fill it; "
+            f"keep such state in a preallocated tensor updated in place (buf[step] = x) to keep the graph"
         )
     if from_inputs:
         raise NotTraceable(

@@ -67,6 +67,21 @@ replay computed as on a first call (``[1, 4, 9, 16]`` where PyTorch gives
 So the trace also returns the tensors it added (``added_tensors``), and an
 entry whose value the graph computes from an input is state: the trace is
 refused and the function runs eagerly (graph_mode.py).
+
+NOTE [lists a function fills]
+A list (or deque) the function's code names, as it names a dict, and
+appends tensors to (``kept.append(x[1:])``, saved inputs, activations,
+``x.untyped_storage()``) was not noted: the run that infers shapes left a
+meta tensor in it, and a graph-mode trace its fake tensor, after which the
+graph, which replays no Python, appended nothing on any later call, so the
+list ended with a fake tensor that raised when read, silently. A list grows
+on every call, where a dict's entry per key is a cache filled once, so
+every change a run makes to such a list that puts in or takes out a tensor
+or a storage is put back when the run ends (``ListNamed``), and a trace
+that made one is refused: the function runs eagerly, appending on every
+call as in PyTorch. A list changed otherwise (shapes or a call count
+appended) stays as the run left it, as a dict does, and keeps the graph
+(read once per trace, as other Python state).
 """
 
 from __future__ import annotations
@@ -130,6 +145,12 @@ def holds_tensor(value: Any) -> bool:
     return bool(_tensors_in(value))
 
 
+def _holds_tensor_or_storage(value: Any) -> bool:
+    """Whether ``value`` holds a tensor (``holds_tensor``) or is a storage
+    (``x.untyped_storage()``)."""
+    return isinstance(value, (torch.UntypedStorage, torch.TypedStorage)) or holds_tensor(value)
+
+
 # What a module hook fills: a dict (a subclass too), a list or a deque.
 Fillable = dict[Any, Any] | list[Any] | collections.deque[Any]
 _FILLABLE = (dict, list, collections.deque)
@@ -138,6 +159,20 @@ _FILLABLE = (dict, list, collections.deque)
 def fillable(obj: Any) -> bool:
     """Whether ``obj`` is a container a module hook may fill."""
     return isinstance(obj, _FILLABLE)
+
+
+# What a function's code may fill by appending: a list or a deque.
+_LISTS = (list, collections.deque)
+
+
+class ListNamed:
+    """A list or deque the function's code names (NOTE [lists a function
+    fills])."""
+
+    __slots__ = ("container",)
+
+    def __init__(self, container: list[Any] | collections.deque[Any]) -> None:
+        self.container = container
 
 
 class HookFilled:
@@ -188,6 +223,7 @@ class CachesKept:
     def __init__(self) -> None:
         self._saved: dict[int, tuple[dict[Any, Any], dict[Any, Any]]] = {}
         self._hook_filled: dict[int, tuple[Any, Any]] = {}  # id -> (container, a copy)
+        self._lists: dict[int, tuple[Any, list[Any]]] = {}  # NOTE [lists a function fills]
 
     def note(self, dicts: Iterable[Any]) -> None:
         for d in dicts:
@@ -195,6 +231,11 @@ class CachesKept:
                 c = d.container
                 if id(c) not in self._hook_filled and id(c) not in self._saved:
                     self._hook_filled[id(c)] = (c, _copy_of(c))
+                    self._lists.pop(id(c), None)  # a hook's: put back whatever changed
+            elif isinstance(d, ListNamed):
+                c = d.container
+                if id(c) not in self._hook_filled and id(c) not in self._lists:
+                    self._lists[id(c)] = (c, list(c))
             elif type(d) is dict and id(d) not in self._saved:
                 self._saved[id(d)] = (d, dict(d))
                 self._hook_filled.pop(id(d), None)
@@ -226,6 +267,15 @@ class CachesKept:
             for tensor in _tensors_in(new)
         ]
 
+    def lists_filled(self) -> list[str]:
+        """Each list or deque the function names whose tensors or storages the
+        run changed (NOTE [lists a function fills]), as one line."""
+        return [
+            f"a {type(c).__name__} of {len(saved)} entries it closes over"
+            for c, saved in self._lists.values()
+            if _tensor_changes_in_list(c, saved)
+        ]
+
     def filled_by_hooks(self) -> list[str]:
         """What the run changed, tensor or not, in a container a module hook
         fills (NOTE [what module hooks fill])."""
@@ -243,6 +293,10 @@ class CachesKept:
         for c, saved in self._hook_filled.values():
             _put_back_all(c, saved)  # NOTE [what module hooks fill]
         self._hook_filled.clear()
+        for c, saved in self._lists.values():
+            if _tensor_changes_in_list(c, saved):  # NOTE [lists a function fills]
+                _put_back_all(c, saved)
+        self._lists.clear()
 
 
 def _list_changes(now: list[Any] | collections.deque[Any], saved: list[Any]) -> list[Any]:
@@ -250,13 +304,28 @@ def _list_changes(now: list[Any] | collections.deque[Any], saved: list[Any]) -> 
     return [v for i, v in enumerate(now) if i >= len(saved) or saved[i] is not v] + saved[len(now) :]
 
 
-def dicts_named_by(fn: Callable[..., Any], modules: Iterable[torch.nn.Module] = ()) -> list[dict[Any, Any] | HookFilled]:
+def _tensor_changes_in_list(now: list[Any] | collections.deque[Any], saved: list[Any]) -> bool:
+    """Whether an entry of ``now`` that is not ``saved``'s in its place, or
+    one of ``saved``'s it replaced or dropped, holds a tensor or a storage."""
+    replaced = [old for i, old in enumerate(saved) if i >= len(now) or now[i] is not old]
+    return any(map(_holds_tensor_or_storage, [*_list_changes(now, saved), *replaced]))
+
+
+def _a_list(obj: Any) -> bool:
+    return type(obj) in _LISTS
+
+
+def dicts_named_by(
+    fn: Callable[..., Any], modules: Iterable[torch.nn.Module] = ()
+) -> list[dict[Any, Any] | ListNamed | HookFilled]:
     """The dicts ``fn`` can reach: those its code names from its closure or
     globals (or a ``functools.partial``'s arguments, or a bound method's
     ``self`` or a plain object it names holds), the dicts those hold, and
-    those the ``modules`` and their submodules hold as attributes; and, as
-    ``HookFilled``, the containers the hooks of those modules, and the
-    global ones, can reach (NOTE [what module hooks fill])."""
+    those the ``modules`` and their submodules hold as attributes; as
+    ``ListNamed``, the lists and deques ``fn`` reaches so (NOTE [lists a
+    function fills]); and, as ``HookFilled``, the containers the hooks of
+    those modules, and the global ones, can reach (NOTE [what module hooks
+    fill])."""
     found = {id(d): d for d in reachable(fn, lambda obj: type(obj) is dict, stop=(torch.nn.Module,))}
     for d in list(found.values()):  # holder.cache[n] = ... in an object the code names
         for value in d.values() if len(d) <= _ENTRIES else ():
@@ -272,7 +341,9 @@ def dicts_named_by(fn: Callable[..., Any], modules: Iterable[torch.nn.Module] = 
         for value in module_dicts(sub):
             found.setdefault(id(value), value)
     filled = [HookFilled(c) for c in hook_containers(subs) if id(c) not in found]
-    return [*found.values(), *filled]
+    # NOTE [lists a function fills]
+    lists = [ListNamed(c) for c in reachable(fn, _a_list, stop=(torch.nn.Module,))]
+    return [*found.values(), *lists, *filled]
 
 
 def hook_containers(subs: list[torch.nn.Module]) -> list[Fillable]:

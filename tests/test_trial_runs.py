@@ -1553,3 +1553,60 @@ def test_a_one_shot_hook_under_a_jitted_value_and_grad(x64, compile, plain_first
         np.testing.assert_allclose(grad, expected_grad, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(to_numpy(module.scale), to_numpy(twin.scale), rtol=1e-12)
     assert len(module._forward_pre_hooks) == 0
+
+
+_APPENDED = {
+    "a view of its input": lambda x: x[1:],
+    "a tensor computed from it": lambda x: torch.sin(x) * 2,
+    "its input's storage": lambda x: x.untyped_storage(),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("appended", list(_APPENDED))
+def test_a_list_the_function_appends_tensors_to_gets_each_real_call_s_entry(appended, mode, jit):
+    """NOTE [lists a function fills]: the run that inferred shapes left a
+    meta tensor in the list, and a graph-mode trace its fake tensor, after
+    which the graph appended nothing: the list ended with a fake tensor that
+    raised when read, silently. In PyTorch the list gets one entry a call."""
+    make = _APPENDED[appended]
+    kept: list = []
+
+    def fn(x):
+        kept.append(make(x))
+        return x * 2
+
+    f = t2j_ad.jaxify(fn, compile=mode)
+    run = jax.jit(f) if jit else f
+    xs = [jnp.full(4, float(i + 1)) for i in range(3)]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for x in xs:
+            assert_tree_allclose(run(x), 2 * x)
+    assert len(kept) == len(xs)
+    for entry, x in zip(kept, xs):
+        if isinstance(entry, torch.Tensor):
+            assert type(entry) is torch.Tensor and entry.device.type == torch.device(TORCH_DEVICE).type
+            np.testing.assert_allclose(to_numpy(entry), to_numpy(make(to_torch(x))), rtol=1e-6)
+        else:
+            assert type(entry) is torch.UntypedStorage and entry.device.type == torch.device(TORCH_DEVICE).type
+    messages = [str(w.message) for w in record if issubclass(w.category, FallbackWarning)]
+    if mode == "graph":
+        assert len(messages) == 1 and "it appends a tensor to, or changes the tensors of, a list" in messages[0]
+    else:
+        assert messages == []
+
+
+def test_a_list_the_function_appends_shapes_to_keeps_the_graph():
+    """NOTE [lists a function fills]: a list changed without tensors is
+    Python state read once per trace, as a dict's call counter is."""
+    shapes: list = []
+    f = t2j_ad.jaxify(lambda x: shapes.append(tuple(x.shape)) or x * 2, compile="graph")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        for _ in range(3):
+            assert_tree_allclose(f(jnp.ones(3)), 2 * jnp.ones(3))
+    stats = f.compile_stats()
+    assert stats["eager_fallbacks"] == 0 and stats["graphs"] == 1, stats
+    assert shapes and set(shapes) == {(3,)}
