@@ -40,9 +40,13 @@ from .runtime import (
     mutation_message,
     not_a_tensor,
     not_dense,
+    one_in_a_sequence,
+    wrong_structure,
 )
 from .torch_fn import VMAP_METHODS, Aval, BaseFn, TorchFn
 from .trial_caches import dicts_named_by
+
+_ONE_LEAF = jax.tree_util.tree_structure(0)  # the output structure of one tensor
 
 _live_functions: weakref.WeakSet = weakref.WeakSet()
 
@@ -310,9 +314,12 @@ class JaxifiedFunction:
             if expected is not None and tree != expected:
                 with_paths, tree = jax.tree_util.tree_flatten_with_path(_tuples_made_plain(out), is_leaf=_is_output_leaf)
             if expected is not None and tree != expected:
-                raise TorchCallError(
-                    f"{name} returned {tree.num_leaves} outputs (structure {tree}); expected {expected.num_leaves} "
-                    f"(structure {expected}), as declared by output_shapes or found by inference."
+                # The runner's errors for a plain call's results, which graph
+                # mode's eager runs and derived calls reach here instead.
+                if expected == _ONE_LEAF and isinstance(out, (tuple, list)) and len(out) == 1:
+                    raise one_in_a_sequence(name, out)
+                raise wrong_structure(
+                    name, out, expected.num_leaves, f": it returned the structure {tree}, where {expected} was expected"
                 )
             for path, leaf in with_paths:
                 if not isinstance(leaf, torch.Tensor):
@@ -402,7 +409,7 @@ class JaxifiedFunction:
                 _warn_64bit(self.name, f"output{path}", dtype, canonical)
             out_avals.append(Aval(shape, canonical))
         flat.out_tree = out_tree
-        flat.single_tensor = out_tree == jax.tree_util.tree_structure(0)
+        flat.single_tensor = out_tree == _ONE_LEAF
         n_out = out_tree.num_leaves
         if n_out and out_tree == jax.tree_util.tree_structure(tuple(range(n_out))):
             flat.flat_tuple = n_out

@@ -170,6 +170,27 @@ def not_a_tensor(fn_name: str, where: str, value: object) -> TorchCallError:
     )
 
 
+def one_in_a_sequence(fn_name: str, results: tuple[Any, ...] | list[Any]) -> TorchCallError:
+    """The error for one tensor returned in a tuple or list of one where one
+    tensor, not in a sequence, was declared or inferred."""
+    kind = type(results).__name__
+    return TorchCallError(
+        f"{fn_name} returned a {kind} of 1; expected one tensor, not in a {kind}, as declared by output_shapes "
+        f"or found by inference: return the tensor itself, or declare output_shapes as a {kind} of one."
+    )
+
+
+def wrong_structure(fn_name: str, results: object, n_out: int, structures: str = "") -> TorchCallError:
+    """The error for results that are not ``n_out`` outputs in the structure
+    declared or inferred; ``structures``, what a caller that flattened them
+    adds: the structure returned and the one expected."""
+    returned = f"{len(results)} outputs (a tuple)" if isinstance(results, tuple) else f"one {type(results).__name__}"
+    return TorchCallError(
+        f"{fn_name} returned {returned}; expected {n_out} outputs, as declared by output_shapes or found by "
+        f"inference (output structure changed between calls?){structures}."
+    )
+
+
 def not_dense(fn_name: str, where: str, value: torch.Tensor) -> TorchCallError | None:
     """The error for an output XLA's buffers cannot take: another layout
     (sparse, MKL-DNN), a nested or a quantized tensor; None for a dense one."""
@@ -488,12 +509,7 @@ class _Runner:
                         or (self.other_devices and results.get_device() != out.get_device())
                     ):
                         if isinstance(results, (tuple, list)) and len(results) == 1:
-                            raise TorchCallError(
-                                f"{self.name} returned a {type(results).__name__} of 1; expected one tensor, not "
-                                f"in a {type(results).__name__}, as declared by output_shapes or found by "
-                                f"inference: return the tensor itself, or declare output_shapes as a "
-                                f"{type(results).__name__} of one."
-                            )
+                            raise one_in_a_sequence(self.name, results)
                         # Raises (a tuple: naming the count), unless a tensor subclass.
                         self._check_outputs(results if isinstance(results, tuple) else (results,), outputs)
                     out.copy_(results)
@@ -741,12 +757,7 @@ class _Runner:
     def _check_outputs(self, results: object, outputs: Sequence[torch.Tensor]) -> None:
         """Raise an error naming the first output that does not match."""
         if not isinstance(results, tuple) or len(results) != self.n_out:
-            raise TorchCallError(
-                f"{self.name} returned "
-                f"{f'{len(results)} outputs (a tuple)' if isinstance(results, tuple) else f'one {type(results).__name__}'}"
-                f"; expected {self.n_out} outputs, as declared by output_shapes or found by inference "
-                f"(output structure changed between calls?)."
-            )
+            raise wrong_structure(self.name, results, self.n_out)
         for name, r, aval in zip(self.out_names, results, self.out_avals):
             if not isinstance(r, torch.Tensor):
                 raise not_a_tensor(self.name, name, r)
