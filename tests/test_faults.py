@@ -134,8 +134,8 @@ def _recursion_fault() -> Fault:
     )
 
 
-def _nth_call_fault() -> Fault:
-    calls = []
+def _flaky(calls: list[int]) -> Any:
+    """``exp``, failing on its third run on real tensors, by a Python counter."""
 
     def flaky(x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "meta":
@@ -144,7 +144,14 @@ def _nth_call_fault() -> Fault:
                 raise RuntimeError("CUDA error: an illegal memory access (simulated, call 3 only)")
         return torch.exp(x)
 
-    call = jax.jit(t2j_ad.jaxify(flaky))
+    return flaky
+
+
+def _nth_call_fault() -> Fault:
+    calls: list[int] = []
+    # Eager: a graph replays no Python, so it never reaches the third count
+    # (test_a_python_counter_is_read_once_per_trace_in_graph_mode).
+    call = jax.jit(t2j_ad.jaxify(_flaky(calls), compile="eager"))
 
     def bad() -> Any:
         for _ in range(3):
@@ -358,6 +365,18 @@ def test_fault_surfaces_and_process_recovers(name: str) -> None:
         jax.block_until_ready(fault.bad())
     actual, expected = fault.good()
     assert_tree_allclose(actual, expected)
+
+
+def test_a_python_counter_is_read_once_per_trace_in_graph_mode() -> None:
+    # The fault above in graph mode: the trace ran the function's Python once
+    # (on fake tensors), and its replays run none, so no call reaches the
+    # failing count (docs/compile-modes.md: other Python state is read once
+    # per trace).
+    calls: list[int] = []
+    call = jax.jit(t2j_ad.jaxify(_flaky(calls), compile="graph"))
+    for _ in range(4):
+        assert_tree_allclose(call(GOOD), jnp.exp(GOOD))
+    assert len(calls) == 1
 
 
 def test_the_matrix_has_at_least_12_fault_kinds() -> None:
