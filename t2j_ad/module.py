@@ -119,6 +119,7 @@ from .held_bindings import binding_in, place_for_release, release_after_the_call
 from .module_locks import acquire, in_lock_order, release
 from .real_writes import forwards_end_here
 from .recurrent_cudnn import cudnn_off
+from .settings_held_off import HeldOff
 
 
 def _warn_narrowed_params_beside_wide_buffers(module: torch.nn.Module, params: Mapping[str, Any]) -> None:
@@ -190,30 +191,9 @@ class _TensorSlots:
                     self.buffers.append((sub._buffers, name, keys[id(held)]))
 
 
-class _FastPathOff:
-    """Within the block, PyTorch's attention fast path is off (NOTE
-    [PyTorch's inference fast path]); blocks on several threads nest."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._depth = 0
-        self._was = True
-
-    def __enter__(self) -> None:
-        with self._lock:
-            if not self._depth:
-                self._was = torch.backends.mha.get_fastpath_enabled()
-                torch.backends.mha.set_fastpath_enabled(False)
-            self._depth += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._depth -= 1
-            if not self._depth:
-                torch.backends.mha.set_fastpath_enabled(self._was)
-
-
-_fast_path_off = _FastPathOff()
+# PyTorch's attention fast path, off within the block (NOTE [PyTorch's
+# inference fast path]); blocks on several threads nest.
+_fast_path_off = HeldOff(torch.backends.mha.get_fastpath_enabled, torch.backends.mha.set_fastpath_enabled)
 
 
 def _tables_held(modules: list[torch.nn.Module]) -> list[Any]:

@@ -70,6 +70,7 @@ from typing import Any
 import torch
 
 from .module_hooks import own_global_hooks
+from .settings_held_off import HeldOff
 
 # Whether this PyTorch could run cuDNN's recurrent kernels at all.
 CUDNN_PRESENT = torch.backends.cudnn.is_available()
@@ -77,30 +78,13 @@ CUDNN_PRESENT = torch.backends.cudnn.is_available()
 _RECURRENT = torch.nn.RNNBase
 
 
-class _Switch:
-    """cuDNN's process-wide switch, off while any recurrent forward of a
-    t2j_ad call runs on any thread, back to what it was when the last ends."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._off = 0
-        self._was = True
-
-    def off(self) -> None:
-        with self._lock:
-            if not self._off:
-                self._was = torch.backends.cudnn.enabled
-                torch.backends.cudnn.enabled = False
-            self._off += 1
-
-    def back(self) -> None:
-        with self._lock:
-            self._off -= 1
-            if not self._off:
-                torch.backends.cudnn.enabled = self._was
+def _set_cudnn(enabled: bool) -> None:
+    torch.backends.cudnn.enabled = enabled
 
 
-_switch = _Switch()
+# cuDNN's process-wide switch, off while any recurrent forward of a t2j_ad
+# call runs on any thread, back to what it was when the last ends.
+_switch = HeldOff(lambda: torch.backends.cudnn.enabled, _set_cudnn)
 
 
 @contextlib.contextmanager
