@@ -16,6 +16,7 @@ result is compared with pure JAX on the same math, eagerly and under jit.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -630,6 +631,19 @@ class DetachedGradientSinWithJvp(DetachedGradientSin):
 DROPPING_BACKWARDS_IN_REVERSE = {**DROPPING_BACKWARDS, DetachedGradientSinWithJvp: jnp.sin}
 
 
+def _squared_losses(function: type, reference: Callable[[jax.Array], jax.Array], mode: str):
+    """``(function(x) ** 2).sum()`` jaxified, and the same of ``reference``
+    (the JAX function ``function`` computes) in JAX."""
+    loss = t2j_ad.jaxify(lambda x: (function.apply(x) ** 2).sum(), compile=mode)
+    return loss, lambda x: (reference(x) ** 2).sum()
+
+
+def _first_order_agrees(loss, reference_loss) -> None:
+    """First order needs no derivative of the backward: right, eagerly and batched."""
+    assert_tree_allclose(jax.grad(loss)(X), jax.grad(reference_loss)(X), rtol=1e-5)
+    assert_tree_allclose(jax.vmap(jax.grad(loss))(X_BATCH), jax.vmap(jax.grad(reference_loss))(X_BATCH), rtol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 @pytest.mark.parametrize("transform", list(REVERSE_OVER_REVERSE))
 @pytest.mark.parametrize("function", list(DROPPING_BACKWARDS_IN_REVERSE), ids=lambda c: c.__name__)
@@ -638,14 +652,10 @@ def test_reverse_over_reverse_through_a_backward_that_drops_its_gradient_is_refu
 ):
     # (sin(x)**2).sum(): the gradient 2 sin(x) cos(x) reaches sin's backward
     # as 2 sin(x); the Hessian lost the 2 cos(x)**2 that goes through it.
-    loss = t2j_ad.jaxify(lambda x: (function.apply(x) ** 2).sum(), compile=mode)
-    reference = DROPPING_BACKWARDS_IN_REVERSE[function]
-    reference_loss = lambda x: (reference(x) ** 2).sum()  # noqa: E731
+    loss, reference_loss = _squared_losses(function, DROPPING_BACKWARDS_IN_REVERSE[function], mode)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)  # the fallbacks, announced
-        # First order needs no derivative of the backward: right, eagerly and batched.
-        assert_tree_allclose(jax.grad(loss)(X), jax.grad(reference_loss)(X), rtol=1e-5)
-        assert_tree_allclose(jax.vmap(jax.grad(loss))(X_BATCH), jax.vmap(jax.grad(reference_loss))(X_BATCH), rtol=1e-5)
+        _first_order_agrees(loss, reference_loss)
         refusal = (
             f"reverse mode over the reverse pass of .* backward of {function.__name__}, "
             "but that backward is not differentiable in its incoming gradient"
@@ -806,15 +816,11 @@ def test_forward_over_reverse_through_a_backward_that_drops_its_gradient_is_refu
 ):
     # (sin(x)**2).sum(): jax.hessian lost the 2 cos(x)**2 that goes through
     # sin's backward (torch.func.hessian loses it too), with no error.
-    loss = t2j_ad.jaxify(lambda x: (function.apply(x) ** 2).sum(), compile=mode)
-    reference = DROPPING_BACKWARDS_WITH_A_JVP[function]
-    reference_loss = lambda x: (reference(x) ** 2).sum()  # noqa: E731
+    loss, reference_loss = _squared_losses(function, DROPPING_BACKWARDS_WITH_A_JVP[function], mode)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)  # the fallbacks, announced
-        # First order needs no derivative of the backward: right, eagerly and batched.
-        assert_tree_allclose(jax.grad(loss)(X), jax.grad(reference_loss)(X), rtol=1e-5)
+        _first_order_agrees(loss, reference_loss)
         assert_tree_allclose(jax.jvp(loss, (X,), (V,)), jax.jvp(reference_loss, (X,), (V,)), rtol=1e-5)
-        assert_tree_allclose(jax.vmap(jax.grad(loss))(X_BATCH), jax.vmap(jax.grad(reference_loss))(X_BATCH), rtol=1e-5)
         refusal = (
             f"forward mode over the reverse pass of .* backward of {function.__name__} "
             "is not differentiable in its incoming gradient"

@@ -1825,8 +1825,16 @@ def test_a_hook_made_anew_every_step_does_not_trace_every_step(x64, traces, monk
         _step_as_pytorch(step, params, net, twin, hooks[1 + k % 3], x, seed=100 + k)
     assert (len(runs), len(traces)) == (0, 2 * 4), f"Python runs with kept hooks: {len(runs)}, traces: {traces}"
     # A hook that stays: eager on its first calls, then traced, then replayed.
+    _a_hook_that_stays_is_traced_then_replayed(step, params, net, twin, hook_of(1000), x, runs, traces, monkeypatch)
+    assert apply.compile_stats()["eager_for_rates"] == 0
+
+
+def _a_hook_that_stays_is_traced_then_replayed(step, params, net, twin, stays, x, runs, traces, monkeypatch) -> None:
+    """Eight steps with the hook ``stays`` registered around each (held
+    against PyTorch): one more trace per derivative (8 graphs become 10),
+    and no Python run of the dropout in the last three (``runs``), its
+    eager runs counted as long as a trace at once."""
     monkeypatch.setattr(graph_mode, "_SETTLE_COST_SECONDS", 0.0)
-    stays = hook_of(1000)
     runs_per_step = []
     for k in range(8):
         before = len(runs)
@@ -1834,7 +1842,6 @@ def test_a_hook_made_anew_every_step_does_not_trace_every_step(x64, traces, monk
         runs_per_step.append(len(runs) - before)
     assert len(traces) == 2 * 5, f"traces of a hook that stayed: {traces}"
     assert runs_per_step[-3:] == [0, 0, 0], f"Python runs with a hook that stayed, per step: {runs_per_step}"
-    assert apply.compile_stats()["eager_for_rates"] == 0
 
 
 def _dropout_runs(net, monkeypatch) -> list[int]:
@@ -1880,15 +1887,8 @@ def test_a_hook_made_anew_every_step_without_jit_does_not_trace_every_step(x64, 
     assert stats["eager_for_hooks"] >= 8, stats
     assert stats["eager_for_rates"] == stats["eager_for_submodules"] == stats["eager_fallbacks"] == 0, stats
     # A hook that stays: eager on its first calls, then traced, then replayed.
-    monkeypatch.setattr(graph_mode, "_SETTLE_COST_SECONDS", 0.0)
     stays = lambda module, args, out: out * 1.5  # noqa: E731
-    runs_per_step = []
-    for k in range(8):
-        before = len(runs)
-        _step_as_pytorch(step, params, net, twin, stays, x, seed=200 + k)
-        runs_per_step.append(len(runs) - before)
-    assert len(traces) == 2 * 5, f"traces of a hook that stayed: {traces}"
-    assert runs_per_step[-3:] == [0, 0, 0], f"Python runs with a hook that stayed, per step: {runs_per_step}"
+    _a_hook_that_stays_is_traced_then_replayed(step, params, net, twin, stays, x, runs, traces, monkeypatch)
 
 
 def _fresh_head_step_as_pytorch(step, params, net, twin, x, seed: int) -> dict:
