@@ -12,6 +12,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import t2j_ad
+from t2j_ad import public_bindings
 from t2j_ad.graph_mode import artifacts
 from t2j_ad.public_bindings import through_public_bindings
 
@@ -59,6 +60,56 @@ def test_a_rebound_graph_computes_what_the_traced_graph_did():
             torch.testing.assert_close(got, want, rtol=0, atol=0)
     finally:
         torch.set_default_dtype(previous)
+
+
+def _layer(w, x):
+    h = torch.nn.functional.gelu(torch.tanh(x @ w)) + x * 2.0
+    return torch.nn.functional.layer_norm(h, h.shape[-1:]).sum(0), h.mean()
+
+
+def test_a_graph_of_other_sizes_is_rebound_from_the_kept_answers(monkeypatch):
+    # NOTE [a binding's answer, kept]: the same ops on tensors of other sizes
+    # make no fake call, move the same nodes, and compute what the trace did.
+    first = make_fx(_layer, tracing_mode="fake")(torch.randn(4, 4), torch.randn(3, 4))
+    ops = _aten_targets(first)
+    moved_first = through_public_bindings(first)
+    checked = []
+    original = public_bindings._checked_reaches
+
+    def counting(*args):
+        checked.append(args[3])
+        return original(*args)
+
+    monkeypatch.setattr(public_bindings, "_checked_reaches", counting)
+    w, x = torch.randn(6, 6), torch.randn(2, 6)
+    traced = make_fx(_layer, tracing_mode="fake")(w, x)
+    rebound = make_fx(_layer, tracing_mode="fake")(w, x)
+    assert _aten_targets(rebound) == ops  # the same ops, on other sizes
+    assert through_public_bindings(rebound) == moved_first > 3
+    assert checked == []
+    assert "torch.mm(" in rebound.code and "torch._C._nn.gelu(" in rebound.code
+    for got, want in zip(rebound(w, x), traced(w, x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_answers_are_kept_apart_by_what_a_binding_can_tell_apart():
+    key = public_bindings._answer_key
+    op, a, b = torch.ops.aten.add.Tensor, torch.ones(3), torch.ones(3)
+    assert key("call_function", torch.add, op, (a, b), {}) == key("call_function", torch.add, op, (torch.ones(7), a), {})
+    assert key("call_function", torch.add, op, (a, b), {"alpha": 2}) == key("call_function", torch.add, op, (a, b), {"alpha": 5})
+    different = [
+        key("call_function", torch.add, op, (a, a), {}),  # one tensor twice
+        key("call_function", torch.add, op, (a, b.double()), {}),
+        key("call_function", torch.add, op, (a, torch.ones(3, 1)), {}),
+        key("call_function", torch.add, op, (a, 1), {}),
+        key("call_function", torch.add, op, (a, 1.0), {}),
+        key("call_function", torch.add, op, (a, True), {}),
+        key("call_function", torch.add, op, (a, b), {"alpha": 2}),
+        key("call_function", torch.add, op, (a, b), {"alpha": torch.float64}),
+        key("call_method", "add", op, (a, b), {}),
+    ]
+    assert len(set(different + [key("call_function", torch.add, op, (a, b), {})])) == len(different) + 1
+    assert key("call_function", torch.add, op, (a, {"unhashable": 1}), {}) is None
 
 
 def test_rebinding_draws_nothing_and_the_graph_draws_as_traced():
