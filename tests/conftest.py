@@ -103,6 +103,48 @@ def assert_tree_allclose(actual, expected, *, rtol=None, atol=None, check_dtype=
         )
 
 
+# NOTE [tests that choose their compile mode]
+# scripts/run_tests.sh runs the core tests a second time with
+# T2J_AD_COMPILE=graph, so that every jaxify'd function whose test leaves the
+# mode to the default is traced. A test parametrized over the modes itself
+# (``@pytest.mark.parametrize("mode", ["eager", "graph"])``, passing
+# ``compile=mode``) runs the very same calls in both runs: such tests are
+# deselected, not skipped, in a run that sets T2J_AD_COMPILE, and the report
+# header says how many.
+_COMPILE_MODES = {"eager", "graph", "inductor"}
+
+
+def _chooses_its_compile_mode(item: pytest.Item) -> bool:
+    for mark in item.iter_markers("parametrize"):
+        names, values = mark.args[0], mark.args[1]
+        if isinstance(names, str) and "," not in names and any(
+            isinstance(v, str) and v in _COMPILE_MODES - {"eager"} for v in values
+        ):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:  # noqa: D103
+    if not os.environ.get("T2J_AD_COMPILE"):
+        return
+    chosen = [item for item in items if _chooses_its_compile_mode(item)]
+    if chosen:
+        config.hook.pytest_deselected(items=chosen)
+        deselected = set(chosen)
+        items[:] = [item for item in items if item not in deselected]
+        config._t2j_ad_compile_deselected = len(chosen)
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> str | None:  # noqa: D103
+    n = getattr(config, "_t2j_ad_compile_deselected", 0)
+    if n:
+        return (
+            f"T2J_AD_COMPILE={os.environ['T2J_AD_COMPILE']}: {n} tests that choose their compile mode "
+            "themselves deselected (NOTE [tests that choose their compile mode] in tests/conftest.py)"
+        )
+    return None
+
+
 @pytest.fixture
 def traces(monkeypatch):
     """One entry per graph-mode trace made during the test (its number of
