@@ -855,6 +855,11 @@ def test_trial_runs_of_a_closure_wait_for_module_calls_on_other_threads():
     weight, twin = model.weight, copy.deepcopy(model)
     apply, params = t2j_ad.jaxify_module(model)
     closure = t2j_ad.jaxify(lambda x: model(x))
+    # apply's first call infers its shapes with meta tensors bound in the
+    # module; a closure's real call takes no module lock and would run on
+    # them (NOTE [one module, many threads]): that call is made here, before
+    # the other thread starts, so only trial runs meet its calls.
+    jax.block_until_ready(apply(params, jnp.ones((3, 4))))
     stop = threading.Event()
 
     def calls():
