@@ -81,7 +81,12 @@ or a storage is put back when the run ends (``ListNamed``), and a trace
 that made one is refused: the function runs eagerly, appending on every
 call as in PyTorch. A list changed otherwise (shapes or a call count
 appended) stays as the run left it, as a dict does, and keeps the graph
-(read once per trace, as other Python state).
+(read once per trace, as other Python state). The same holds for a list a
+module the function runs holds as an attribute the user set
+(``self.saved.append(x)`` in a forward), but not for PyTorch's own
+modules' private lists (an RNN's ``_flat_weights``, rebound with its
+parameters by every call). A refusal names the list as the code names it,
+or as ``Module.attribute``.
 """
 
 from __future__ import annotations
@@ -166,13 +171,15 @@ _LISTS = (list, collections.deque)
 
 
 class ListNamed:
-    """A list or deque the function's code names (NOTE [lists a function
-    fills])."""
+    """A list or deque the function's code names, or a module it runs holds
+    as an attribute (NOTE [lists a function fills]); ``name``, where known,
+    as a refusal names it (``kept``, ``Net.saved``)."""
 
-    __slots__ = ("container",)
+    __slots__ = ("container", "name")
 
-    def __init__(self, container: list[Any] | collections.deque[Any]) -> None:
+    def __init__(self, container: list[Any] | collections.deque[Any], name: str | None = None) -> None:
         self.container = container
+        self.name = name
 
 
 class HookFilled:
@@ -223,7 +230,7 @@ class CachesKept:
     def __init__(self) -> None:
         self._saved: dict[int, tuple[dict[Any, Any], dict[Any, Any]]] = {}
         self._hook_filled: dict[int, tuple[Any, Any]] = {}  # id -> (container, a copy)
-        self._lists: dict[int, tuple[Any, list[Any]]] = {}  # NOTE [lists a function fills]
+        self._lists: dict[int, tuple[Any, list[Any], str | None]] = {}  # NOTE [lists a function fills]
 
     def note(self, dicts: Iterable[Any]) -> None:
         for d in dicts:
@@ -235,7 +242,7 @@ class CachesKept:
             elif isinstance(d, ListNamed):
                 c = d.container
                 if id(c) not in self._hook_filled and id(c) not in self._lists:
-                    self._lists[id(c)] = (c, list(c))
+                    self._lists[id(c)] = (c, list(c), d.name)
             elif type(d) is dict and id(d) not in self._saved:
                 self._saved[id(d)] = (d, dict(d))
                 self._hook_filled.pop(id(d), None)
@@ -271,8 +278,8 @@ class CachesKept:
         """Each list or deque the function names whose tensors or storages the
         run changed (NOTE [lists a function fills]), as one line."""
         return [
-            f"a {type(c).__name__} of {len(saved)} entries it closes over"
-            for c, saved in self._lists.values()
+            f"the {type(c).__name__} {name}" if name else f"a {type(c).__name__} of {len(saved)} entries it closes over"
+            for c, saved, name in self._lists.values()
             if _tensor_changes_in_list(c, saved)
         ]
 
@@ -293,7 +300,7 @@ class CachesKept:
         for c, saved in self._hook_filled.values():
             _put_back_all(c, saved)  # NOTE [what module hooks fill]
         self._hook_filled.clear()
-        for c, saved in self._lists.values():
+        for c, saved, _ in self._lists.values():
             if _tensor_changes_in_list(c, saved):  # NOTE [lists a function fills]
                 _put_back_all(c, saved)
         self._lists.clear()
@@ -342,8 +349,34 @@ def dicts_named_by(
             found.setdefault(id(value), value)
     filled = [HookFilled(c) for c in hook_containers(subs) if id(c) not in found]
     # NOTE [lists a function fills]
-    lists = [ListNamed(c) for c in reachable(fn, _a_list, stop=(torch.nn.Module,))]
-    return [*found.values(), *lists, *filled]
+    named = _names_in_code(fn)
+    lists = {id(c): ListNamed(c, named.get(id(c))) for c in reachable(fn, _a_list, stop=(torch.nn.Module,))}
+    for sub in subs:
+        for attribute, value in _user_attributes(sub):
+            if _a_list(value) and id(value) not in lists:
+                lists[id(value)] = ListNamed(value, f"{type(sub).__name__}.{attribute}")
+    return [*found.values(), *lists.values(), *filled]
+
+
+def _names_in_code(fn: Callable[..., Any]) -> dict[int, str]:
+    """The name of each list or deque ``fn``'s code names from its closure
+    or globals, by the object's id."""
+    code_of = getattr(fn, "__func__", fn)
+    if not inspect.isfunction(code_of):
+        return {}
+    names: dict[int, str] = {}
+    for name, cell in zip(code_of.__code__.co_freevars, code_of.__closure__ or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            continue
+        if _a_list(value):
+            names.setdefault(id(value), name)
+    for name in code_of.__code__.co_names:
+        value = code_of.__globals__.get(name)
+        if _a_list(value):
+            names.setdefault(id(value), name)
+    return names
 
 
 def hook_containers(subs: list[torch.nn.Module]) -> list[Fillable]:
@@ -410,14 +443,20 @@ def _module_own_names() -> frozenset[str]:
 
 def _module_containers(module: torch.nn.Module) -> list[Fillable]:
     """The containers ``module`` holds as attributes the user set
-    (``m.acts = []``): neither PyTorch's tables nor, in a module class of
-    PyTorch's own, a private attribute (an RNN's ``_flat_weights``)."""
+    (``m.acts = []``): ``_user_attributes``'s values."""
+    return [value for _, value in _user_attributes(module)]
+
+
+def _user_attributes(module: torch.nn.Module) -> list[tuple[str, Fillable]]:
+    """Each container ``module`` holds as an attribute the user set, with its
+    name: neither PyTorch's tables nor, in a module class of PyTorch's own, a
+    private attribute (an RNN's ``_flat_weights``)."""
     attributes = getattr(module, "__dict__", None)
     if type(attributes) is not dict:
         return []
     torch_class = type(module).__module__.startswith("torch.")
     return [
-        value
+        (name, value)
         for name, value in list(attributes.items())
         if fillable(value) and name not in _module_own_names() and not (torch_class and name.startswith("_"))
     ]
