@@ -794,6 +794,15 @@ class _InitializedByData(torch.nn.Module):
         return (x * self.scale).sum(0)
 
 
+def _run_through(wrap, module, mode):
+    """A function of ``x`` that runs ``module`` through a jaxify'd closure
+    or its ``jaxify_module``, and the params it binds (None for a closure)."""
+    if wrap == "jaxify":
+        return t2j_ad.jaxify(lambda x: module(x), compile=mode), None
+    apply, params = t2j_ad.jaxify_module(module, compile=mode)
+    return (lambda x: apply(params, x)), params
+
+
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 @pytest.mark.parametrize("wrap", ["jaxify", "jaxify_module"])
 def test_elements_swapped_through_data_in_a_trial_run_are_put_back(mode, wrap):
@@ -801,11 +810,7 @@ def test_elements_swapped_through_data_in_a_trial_run_are_put_back(mode, wrap):
     # call skipped the initialization (NOTE [elements swapped through .data]).
     module = _InitializedByData().to(TORCH_DEVICE)
     twin = copy.deepcopy(module)
-    if wrap == "jaxify":
-        f = t2j_ad.jaxify(lambda x: module(x), compile=mode)
-    else:
-        apply, params = t2j_ad.jaxify_module(module, compile=mode)
-        f = lambda x: apply(params, x)  # noqa: E731
+    f, params = _run_through(wrap, module, mode)
     batches = [np.array([[1.0, 2.0], [3.0, 5.0], [2.0, 0.0]], np.float32), np.ones((3, 2), np.float32)]
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always", FallbackWarning)
@@ -1622,11 +1627,7 @@ def test_a_list_a_modules_forward_appends_tensors_to_gets_each_real_call_s_entry
     appended nothing after its trace's fake tensor."""
     module = _SavesWhatItSees().to(TORCH_DEVICE)
     twin = copy.deepcopy(module)
-    if wrap == "jaxify":
-        f = t2j_ad.jaxify(lambda x: module(x), compile=mode)
-    else:
-        apply, params = t2j_ad.jaxify_module(module, compile=mode)
-        f = lambda x: apply(params, x)  # noqa: E731
+    f, _ = _run_through(wrap, module, mode)
     xs = [jnp.linspace(-1.0, 1.0, 8).reshape(2, 4) * (i + 1) for i in range(3)]
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
