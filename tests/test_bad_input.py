@@ -373,17 +373,19 @@ _ENV_PROBE = """
 import os, sys
 import jax, jax.numpy as jnp, numpy as np
 
-var, good = sys.argv[1], sys.argv[2]
-try:
-    import t2j_ad  # T2J_AD_FUNCTORCH_FAST is read at import
+var, good, bad_values = sys.argv[1], sys.argv[2], sys.argv[3:]
+for bad in bad_values:  # each read again after a refusal: one interpreter tries them all
+    os.environ[var] = bad
+    try:
+        import t2j_ad  # T2J_AD_FUNCTORCH_FAST is read at import
 
-    x = jnp.array([1.0, -2.0])
-    jax.block_until_ready(jax.jit(t2j_ad.jaxify(lambda x: x * 3))(x))
-except ValueError as err:
-    assert var in str(err), str(err)
-    print("refused:", err)
-else:
-    raise SystemExit(f"{var}={os.environ[var]!r} was accepted")
+        x = jnp.array([1.0, -2.0])
+        jax.block_until_ready(jax.jit(t2j_ad.jaxify(lambda x: x * 3))(x))
+    except ValueError as err:
+        assert var in str(err), str(err)
+        print("refused:", err)
+    else:
+        raise SystemExit(f"{var}={bad!r} was accepted")
 os.environ[var] = good
 import t2j_ad
 
@@ -395,29 +397,41 @@ print("good call ok")
 
 
 @pytest.mark.parametrize(
-    ("var", "bad", "good"),
+    ("var", "bad_values", "good"),
     [
-        ("T2J_AD_TORCH_THREADS", "abc", "1"),
-        ("T2J_AD_TORCH_THREADS", "0", "1"),
-        ("T2J_AD_TORCH_THREADS", "-2", "1"),
-        ("T2J_AD_TORCH_THREADS", "\u00b2", "1"),  # a digit to str.isdigit, not to int()
-        ("T2J_AD_TORCH_THREADS", "99999999999", "1"),  # past torch.set_num_threads's C int
-        ("T2J_AD_BACKEND", "cuda", "callback"),
-        ("T2J_AD_TUNE_MALLOC", "maybe", "0"),
-        ("T2J_AD_FUNCTORCH_FAST", "2", "1"),
+        (
+            "T2J_AD_TORCH_THREADS",
+            [
+                "abc",
+                "0",
+                "-2",
+                "\u00b2",  # a digit to str.isdigit, not to int()
+                "99999999999",  # past torch.set_num_threads's C int
+            ],
+            "1",
+        ),
+        ("T2J_AD_BACKEND", ["cuda"], "callback"),
+        ("T2J_AD_TUNE_MALLOC", ["maybe"], "0"),
+        ("T2J_AD_FUNCTORCH_FAST", ["2"], "1"),
     ],
 )
-def test_bad_environment_variable_is_a_value_error_naming_it(var, bad, good):
+def test_bad_environment_variable_is_a_value_error_naming_it(var, bad_values, good):
+    # One fresh interpreter a variable, which tries its bad values in turn.
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, var: bad}
+    env = {**os.environ, var: bad_values[0]}
     done = subprocess.run(
-        [sys.executable, "-c", _ENV_PROBE, var, good], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _ENV_PROBE, var, good, *bad_values],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    assert f"refused: {var} must be" in done.stdout and "good call ok" in done.stdout, done.stdout
+    assert done.stdout.count(f"refused: {var} must be") == len(bad_values), done.stdout
+    assert "good call ok" in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("declared", [(), [], {}, (None,)])
