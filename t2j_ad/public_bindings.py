@@ -43,8 +43,8 @@ could tell apart: each tensor to its type, dtype, layout, device type,
 dimensions and which other argument it is; each int and float to its type
 (sizes, dims and factors, which a binding passes on as given, differ
 between signatures); every other value to its type and value. Arguments
-that cannot be keyed (unhashable values) are checked every time. The table is process-wide, dropped whole past a few thousand
-answers.
+that cannot be keyed (unhashable values) are checked every time. The
+table is process-wide, dropped whole past a few thousand answers.
 """
 
 from __future__ import annotations
