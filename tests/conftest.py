@@ -116,7 +116,8 @@ _COMPILE_MODES = {"eager", "graph", "inductor"}
 
 def _chooses_its_compile_mode(item: pytest.Item) -> bool:
     for mark in item.iter_markers("parametrize"):
-        names, values = mark.args[0], mark.args[1]
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames")
+        values = mark.args[1] if len(mark.args) > 1 else mark.kwargs.get("argvalues", ())
         if isinstance(names, str) and "," not in names and any(
             isinstance(v, str) and v in _COMPILE_MODES - {"eager"} for v in values
         ):
