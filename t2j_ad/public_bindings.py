@@ -139,23 +139,35 @@ def _kind_of(arg: Any, tensors: list[torch.Tensor]) -> Any:
     return (type(arg), arg)
 
 
-def _answer_key(kind: str, binding: Any, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The key of a check's answer, or None where the arguments cannot be keyed."""
+def _argument_kinds(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A node's arguments as a binding could tell them apart (``_kind_of``),
+    once for all its candidate bindings; None where they cannot be keyed."""
     tensors: list[torch.Tensor] = []
-    key = (op, kind, binding, _kind_of(args, tensors), tuple((k, _kind_of(v, tensors)) for k, v in kwargs.items()))
+    kinds = (_kind_of(args, tensors), tuple((k, _kind_of(v, tensors)) for k, v in kwargs.items()))
     try:
-        hash(key)
+        hash(kinds)
     except TypeError:
         return None
-    return key
+    return kinds
+
+
+def _answer_key(kind: str, binding: Any, op: Any, kinds: Any) -> Any:
+    """The key of a check's answer, or None where the arguments' ``kinds`` are None."""
+    return None if kinds is None else (op, kind, binding, kinds)
 
 
 def _reaches(
-    fake_mode: FakeTensorMode, kind: str, binding: Any, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    fake_mode: FakeTensorMode,
+    kind: str,
+    binding: Any,
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    kinds: Any,
 ) -> bool:
-    """Whether ``binding`` reaches ``op`` with these very arguments; kept
-    (NOTE [a binding's answer, kept])."""
-    key = _answer_key(kind, binding, op, args, kwargs)
+    """Whether ``binding`` reaches ``op`` with these very arguments, whose
+    ``_argument_kinds`` are ``kinds``; kept (NOTE [a binding's answer, kept])."""
+    key = _answer_key(kind, binding, op, kinds)
     answer = _ANSWERS.get(key) if key is not None else None
     if answer is None:
         answer = _checked_reaches(fake_mode, kind, binding, op, args, kwargs)
@@ -225,8 +237,9 @@ def through_public_bindings(graph: torch.fx.GraphModule) -> int:
         args, kwargs = _recorded(tuple(node.args)), {k: _recorded(v) for k, v in node.kwargs.items()}
         if _lacks_values(args) or _lacks_values(tuple(kwargs.values())):
             continue
+        kinds = _argument_kinds(args, kwargs)
         for kind, binding in _bindings(op):
-            if _reaches(fake_mode, kind, binding, op, args, kwargs):
+            if _reaches(fake_mode, kind, binding, op, args, kwargs, kinds):
                 node.op, node.target = kind, binding
                 moved += 1
                 break
