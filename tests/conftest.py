@@ -111,7 +111,7 @@ def assert_tree_allclose(actual, expected, *, rtol=None, atol=None, check_dtype=
 # ``compile=mode``) runs the very same calls in both runs: such tests are
 # deselected, not skipped, in a run that sets T2J_AD_COMPILE, and the report
 # header says how many.
-_COMPILE_MODES = {"eager", "graph", "inductor"}
+_TRACED_MODES = {"graph", "inductor"}
 
 
 def _chooses_its_compile_mode(item: pytest.Item) -> bool:
@@ -119,7 +119,7 @@ def _chooses_its_compile_mode(item: pytest.Item) -> bool:
         names = mark.args[0] if mark.args else mark.kwargs.get("argnames")
         values = mark.args[1] if len(mark.args) > 1 else mark.kwargs.get("argvalues", ())
         if isinstance(names, str) and "," not in names and any(
-            isinstance(v, str) and v in _COMPILE_MODES - {"eager"} for v in values
+            isinstance(v, str) and v in _TRACED_MODES for v in values
         ):
             return True
     return False
