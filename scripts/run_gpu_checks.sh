@@ -161,6 +161,12 @@ export -f preflight install  # for the bash that timeout starts
 step preflight 300 bash -c preflight || { summary "stopped: no GPU for both JAX and PyTorch"; exit 1; }
 step install 900 bash -c install || { summary "stopped: t2j_ad did not install"; exit 1; }
 
+# One JAX compilation cache for the test runs and the benchmarks
+# (scripts/compilation_cache.sh), removed when the script ends.
+source scripts/compilation_cache.sh
+start_compilation_cache
+trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+
 # -v names each test as it ends, so a run cut short still names its failures;
 # -rfEs lists failures, errors and skips (with reasons) at the end.
 PYTEST=("$PY" -m pytest -v -p no:cacheprovider -rfEs)

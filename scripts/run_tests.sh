@@ -27,14 +27,10 @@ print_example_count() {
   echo "property examples this run: $(awk '{ n += $1 } END { print n + 0 }' "$T2J_AD_EXAMPLE_COUNT_FILE")"
   rm -f "$T2J_AD_EXAMPLE_COUNT_FILE"
 }
-# JAX's persistent compilation cache, in a directory of this run's own: a
-# pure-JAX program (a test's reference) that another test, worker or pytest
-# run already compiled is read back instead of compiled again (about a
-# third of the callback run's time). A program holding a t2j_ad call is
-# never written there: its lowering registers a host callback, and JAX
-# caches no program with one; each run compiles those itself.
-JAX_COMPILATION_CACHE_DIR="$(mktemp -d)"
-export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+# JAX's persistent compilation cache, in a directory of this run's own
+# (scripts/compilation_cache.sh).
+source scripts/compilation_cache.sh
+start_compilation_cache
 finish() {
   print_example_count
   rm -rf "$JAX_COMPILATION_CACHE_DIR"
