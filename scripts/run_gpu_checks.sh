@@ -168,8 +168,13 @@ start_compilation_cache
 trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 
 # -v names each test as it ends, so a run cut short still names its failures;
-# -rfEs lists failures, errors and skips (with reasons) at the end.
-PYTEST=("$PY" -m pytest -v -p no:cacheprovider -rfEs)
+# -rfEs lists failures, errors and skips (with reasons) at the end;
+# --durations names the slowest tests, for the next run's planning.
+PYTEST=("$PY" -m pytest -v -p no:cacheprovider -rfEs --durations=25)
+# The first run's property examples per test: 20 here, against 60 in CI. A
+# GPU machine is lent for minutes, and these tests check the GPU path of the
+# same math the CPU runs hold to 60 (T2J_AD_GPU_EXAMPLES sets another count).
+GPU_EXAMPLES="${T2J_AD_GPU_EXAMPLES:-20}"
 # pytest-xdist, where installed, spreads each run over worker processes that
 # share the GPU: half the cores (at most 8) when the runs take turns, and
 # with T2J_AD_GPU_CONCURRENT=1, where the three runs go at once, a half, a
@@ -193,7 +198,8 @@ else
   SHARES=("1 2" "1 2" "1 2")
 fi
 # shellcheck disable=SC2046 # workers prints "-n N" or nothing: split on purpose
-step unit-and-property-tests 1500 "${PYTEST[@]}" $(workers ${SHARES[0]}) tests --ignore=tests/multidevice
+step unit-and-property-tests 1500 env T2J_AD_HYPOTHESIS_EXAMPLES="$GPU_EXAMPLES" \
+  "${PYTEST[@]}" $(workers ${SHARES[0]}) tests --ignore=tests/multidevice
 # shellcheck disable=SC2046
 step graph-mode-tests 900 env T2J_AD_COMPILE=graph T2J_AD_HYPOTHESIS_EXAMPLES="$GRAPH_MODE_EXAMPLES" \
   "${PYTEST[@]}" $(workers ${SHARES[1]}) "${GRAPH_MODE_TESTS[@]}"
