@@ -85,6 +85,19 @@ try:  # The private API of torch 2.x; see NOTE [functorch levels].
 except (ImportError, AttributeError):
     _AVAILABLE = False
 
+# Private: the open torch.func transforms, outermost first; without it no
+# level is seen (and no jvp staticmethod is seen under two forward levels).
+try:
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _all_interpreters
+except ImportError:
+    _all_interpreters = None
+# Private: the operator an autograd.Function's apply calls inside torch.func
+# transforms, with the Function's class first; a TorchFunctionMode sees it.
+try:
+    from torch._functorch.autograd_function import custom_function_call
+except ImportError:
+    custom_function_call = None
+
 FAST: bool = False  # decided at the bottom of this module
 
 _inference_mode = torch.is_inference_mode_enabled
@@ -255,6 +268,31 @@ def jvp_tangent(t: torch.Tensor) -> torch.Tensor | None:
     level = top.level()
     layer = next((x for x in wrapped_layers(t) if functorch.maybe_get_level(x) == level), None)
     return None if layer is None else torch.autograd.forward_ad.unpack_dual(layer).tangent
+
+
+def innermost_jvp_level() -> int | None:
+    """The level of the innermost ``torch.func`` transform when it is a
+    ``jvp``, else None."""
+    functorch = torch._C._functorch  # private
+    top = functorch.peek_interpreter_stack()
+    return top.level() if top is not None and top.key() == functorch.TransformType.Jvp else None
+
+
+def jvp_levels_of(tensors: Sequence[object]) -> set[int]:
+    """The levels of the ``jvp`` transforms now open at which one of
+    ``tensors`` has a layer (a dual number of that level, under the inner
+    levels' wrappers): NOTE [a jvp staticmethod under a second forward
+    level] in rules/forward_over_forward.py."""
+    functorch = torch._C._functorch  # private
+    interpreters = _all_interpreters() if _all_interpreters is not None else ()
+    jvps = {i.level() for i in interpreters if i.key() == functorch.TransformType.Jvp}
+    return {
+        level
+        for t in tensors
+        if isinstance(t, torch.Tensor)
+        for layer in wrapped_layers(t)
+        if (level := functorch.maybe_get_level(layer)) in jvps
+    }
 
 
 def with_graphs_recorded(fn: Flat, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

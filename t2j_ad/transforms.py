@@ -72,12 +72,22 @@ _strided = torch.strided
 def _make_jvp(t: Jvp, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], base: Any, prefix: Any) -> Flat:
     n = len(ins)
     over_reverse = any(isinstance(p, Vjp) for p in prefix[:-1])
+    # NOTE [a jvp staticmethod under a second forward level] in rules/forward_over_forward.py
+    over_forward = any(isinstance(p, Jvp) for p in prefix[:-1])
 
     def jvp_fn(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         primals, tangents = args[:n], args[n:]
         restricted = _restrict(g, primals, t.wrt, t.out)
         wrt_primals = tuple(primals[i] for i in t.wrt)
-        return forward_mode(restricted, wrt_primals, tangents, base=base, key=prefix, over_reverse=over_reverse)
+        return forward_mode(
+            restricted,
+            wrt_primals,
+            tangents,
+            base=base,
+            key=prefix,
+            over_reverse=over_reverse,
+            over_forward=over_forward,
+        )
 
     return jvp_fn
 

@@ -957,6 +957,105 @@ def test_forward_over_reverse_that_loses_nothing_through_a_backward_that_drops_i
         assert_tree_allclose(jax.hessian(g)(X), jax.hessian(lambda x: jnp.sin(x).sum())(X), rtol=1e-5)
 
 
+# ------------------------------- forward over forward through a jvp staticmethod
+# NOTE [a jvp staticmethod under a second forward level] in
+# t2j_ad/rules/forward_over_forward.py. PyTorch runs a Function's jvp
+# staticmethod with forward AD off: jax.jacfwd(jax.jacfwd(f)) through it came
+# out 0 where it is -sin(x), silently (torch.func.jacfwd(torch.func.jacfwd(f))
+# too). The outer forward level now takes the double-vjp trick.
+
+
+class SinWithJvp(torch.autograd.Function):
+    """sin with a jvp staticmethod and a differentiable backward."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return torch.sin(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * torch.cos(x)
+
+    @staticmethod
+    def jvp(ctx, x_t):
+        (x,) = ctx.saved_tensors
+        return torch.cos(x) * x_t
+
+
+def _nested_jvps(f, order: int):
+    """``jax.jvp`` of ``jax.jvp`` ... of ``f`` (``order`` of them) at X, each along V."""
+    for _ in range(order):
+        f = (lambda g: lambda x: jax.jvp(g, (x,), (V,))[1])(f)
+    return f(X)
+
+
+_X64 = np.asarray(X, np.float64)
+_V64 = np.asarray(V, np.float64)
+# Transforms of sin(x)**2 -> their values at X (along V), in closed form:
+# its derivatives are sin(2x), 2 cos(2x), -4 sin(2x).
+FORWARD_OVER_FORWARD = {
+    "jacfwd(jacfwd)": (
+        lambda f: jax.jacfwd(jax.jacfwd(f))(X),
+        np.einsum("ij,ik,i->ijk", np.eye(4), np.eye(4), 2 * np.cos(2 * _X64)),
+    ),
+    "jvp(jvp(jvp))": (lambda f: _nested_jvps(f, 3), -4 * np.sin(2 * _X64) * _V64**3),
+    "jvp(jvp(grad))": (
+        lambda f: _nested_jvps(jax.grad(lambda x: f(x).sum()), 2),
+        -4 * np.sin(2 * _X64) * _V64**2,
+    ),
+}
+
+
+def test_forward_over_forward_through_a_jvp_staticmethod_is_right():
+    f = t2j_ad.jaxify(lambda x: SinWithJvp.apply(x) ** 2)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        # First order runs the jvp staticmethod as it did: no fallback.
+        np.testing.assert_allclose(_nested_jvps(f, 1), np.sin(2 * _X64) * _V64, rtol=1e-5)
+        assert fallback_warnings(record) == []
+        for name, (transform, expected) in FORWARD_OVER_FORWARD.items():
+            np.testing.assert_allclose(transform(f), expected, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert_warned_once(record, "over its forward mode", "jvp staticmethod of SinWithJvp", "Results are exact")
+
+
+class DetachedGradientSinWithJvpAndVmap(SinWithJvp):
+    """SinWithJvp, its backward computed from ``grad.detach()``."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad.detach() * torch.cos(x)
+
+
+def test_forward_over_forward_through_a_jvp_staticmethod_whose_backward_drops_its_gradient_is_refused():
+    # The double-vjp trick differentiates the backward in its gradient, which
+    # grad.detach() cuts: refused, naming the cause. Reverse mode for the
+    # outer order goes through the jvp staticmethod alone and is right.
+    f = t2j_ad.jaxify(lambda x, w: DetachedGradientSinWithJvpAndVmap.apply(x) ** 2 * w)
+    w = V * 3
+    second = 2 * np.cos(2 * _X64) * np.asarray(w, np.float64)  # d2/dx2 of sin(x)**2 * w
+    np.testing.assert_allclose(
+        jax.jacrev(jax.jacfwd(f))(X, w), np.einsum("ij,ik,i->ijk", np.eye(4), np.eye(4), second), rtol=1e-5, atol=1e-6
+    )
+    # jax.jvp in w of jax.jvp in x: the Function's input is no dual number in w, so nothing is lost.
+    in_w = jax.jvp(lambda w: jax.jvp(lambda x: f(x, w), (X,), (V,))[1], (w,), (V,))[1]
+    np.testing.assert_allclose(in_w, np.sin(2 * _X64) * _V64**2, rtol=1e-5, atol=1e-6)
+    refusal = "over its forward mode .* jvp staticmethod of DetachedGradientSinWithJvpAndVmap"
+    with pytest.raises(Exception, match=refusal) as refused:
+        jax.block_until_ready(_nested_jvps(lambda x: f(x, w), 2))
+    message = str(refused.value)
+    assert "the backward of DetachedGradientSinWithJvpAndVmap is not differentiable in its incoming gradient" in message
+    assert "Take the outer derivative in reverse mode (jax.jacrev(jax.jacfwd(f))" in message
+
+
 # ------------------------------------------------------- NumpySort/NumpyTake
 # From "Extending torch.func with autograd.Function", Example 1 with the vmap
 # staticmethods of "Defining the vmap staticmethod". (The guide's second

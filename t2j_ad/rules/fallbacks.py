@@ -48,6 +48,7 @@ import torch
 import torch.func
 
 from .. import functorch_levels
+from . import forward_over_forward
 
 
 class FallbackWarning(UserWarning):
@@ -777,21 +778,26 @@ def forward_mode(
     base: Any,
     key: Any,
     over_reverse: bool = False,
+    over_forward: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Output tangents: ``torch.func.jvp``, else the double-vjp trick.
     ``over_reverse``: ``fn`` holds a reverse pass (a Hessian's inner
     gradient), refused if that pass runs a ``@once_differentiable``
     backward (``_refuse_marked_reverse_pass``) or a backward that drops
     its incoming gradient (NOTE [a reverse pass differentiated in forward
-    mode])."""
+    mode]). ``over_forward``: ``fn`` holds forward mode, and a Function's
+    ``jvp`` staticmethod under both takes the double-vjp trick (NOTE [a jvp
+    staticmethod under a second forward level] in forward_over_forward.py)."""
     decided = decisions(base)
     out_tangents = None
     if decided.get(("jvp", key)) != "double_vjp":
+        watch = forward_over_forward.JvpStaticmethodWatch() if over_forward else None
+        run = fn if watch is None else forward_over_forward.watched(fn, watch)
         try:
             if over_reverse:
-                out_tangents = _jvp_over_reverse(fn, primals, tangents, base=base, key=key)
+                out_tangents = _jvp_over_reverse(run, primals, tangents, base=base, key=key)
             else:
-                out_tangents = tuple(torch.func.jvp(fn, tuple(primals), tuple(tangents))[1])
+                out_tangents = tuple(torch.func.jvp(run, tuple(primals), tuple(tangents))[1])
         except (RuntimeError, NotImplementedError) as err:
             if not _refused(err, _FORWARD_REFUSALS):
                 raise
@@ -813,8 +819,20 @@ def forward_mode(
                 f"double-vjp trick because {why}. Results are exact; it costs two "
                 f"reverse passes.{advice}",
             )
+        if watch is not None and watch.seen is not None:
+            decided[("jvp", key)] = "double_vjp"
+            decided[("jvp staticmethod", key)] = watch.seen
+            warn_once(base, "jvp over jvp", forward_over_forward.switch_warning(base.name, watch.seen))
+            out_tangents = None
     if out_tangents is None:
-        out_tangents = double_vjp_jvp(fn, primals, tangents, base=base, key=key, over_reverse=over_reverse)
+        function = decided.get(("jvp staticmethod", key))
+        try:
+            out_tangents = double_vjp_jvp(fn, primals, tangents, base=base, key=key, over_reverse=over_reverse)
+        except RuntimeError as err:
+            nested = any(marker in first_line(err) for marker in _NESTED_CALL_FAILED)
+            if function is None or nested or not str(err).startswith("t2j_ad: "):
+                raise
+            raise forward_over_forward.refusal(base.name, function, err) from err
     if over_reverse:
         _refuse_marked_reverse_pass(base)
     return out_tangents
