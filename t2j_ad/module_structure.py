@@ -448,6 +448,12 @@ class StructureSeen:
     def holds(self) -> bool:
         if self._bindings is not None and not self._bindings.hold():
             return False
+        return self.modules_hold()
+
+    def modules_hold(self) -> bool:
+        """``holds()`` for the modules alone, the names the function reads
+        aside (NOTE [a derivative called apart from its value] in
+        split_derivatives.py)."""
         registered = registrations()
         if nothing_moved(registered, self._registered, self._hooks):
             return True

@@ -27,6 +27,7 @@ from .rules.jet import torch_call_jet
 from .rules.jvp import torch_call_jvp
 from .rules.partitioning import partitionable
 from .rules.transpose import torch_call_transpose
+from .split_derivatives import torch_call_impl
 from .torch_fn import TorchFn
 
 
@@ -41,7 +42,7 @@ def _has_side_effects(params: dict[str, Any]) -> bool:
 
 register_rules(
     torch_call_p,
-    impl=None,  # eager calls compile the single primitive, like lax ops
+    impl=torch_call_impl,  # NOTE [a derivative called apart from its value] in split_derivatives.py
     abstract_eval=torch_call_abstract_eval,
     jvp=torch_call_jvp,
     transpose=torch_call_transpose,

@@ -1044,6 +1044,43 @@ class _RunnerWatchingDraws(_RunnerWatchingNames):
         _Runner.__call__(self, inputs, outputs, stream)
 
 
+# NOTE [a hook that removed itself in a jitted call]
+# A function that neither draws nor keeps state has no token (NOTE [a hook
+# that removed itself in a value call] in replayed_calls.py): under
+# ``jax.jit(jax.value_and_grad(f))`` its value call ran a stateless one-shot
+# hook (``return out * 2`` then its own ``handle.remove()``) and its
+# derivative, a call of its own in the same program, ran without it: the
+# value of one function and the gradient of another, silently (the twelfth
+# fuzzing pass). Which of the two runs first is XLA's choice where the
+# cotangent does not depend on the value. So each call of a derivative (a
+# ``Jvp`` or ``Vjp``) and each value call bound by the JVP rule (NOTE [a
+# value call checked before it runs] in replayed_calls.py) looks, after it
+# ran, whether a hook of the modules it runs left its place in it
+# (``ModuleModes.hooks_in_place``: one dict lookup per hook), and is
+# refused if one did: the hook ran once, as PyTorch's first call runs it,
+# and every later step runs without it, value and derivative alike. A
+# plain call (``f(x)``, and ``jax.jit(f)``) is no value call of a
+# derivative and runs such a hook unrefused. Without ``jax.jit`` the same
+# refusal comes first; the derivative's binding would refuse it otherwise
+# (NOTE [a derivative called apart from its value] in
+# split_derivatives.py). A function that runs no module, and whose hook is
+# a global one, is not watched.
+
+
+def one_shot_hook_refusal(name: str) -> TorchCallError:
+    """The error of a value call of a derivative, or a derivative call, of
+    ``name`` in which a hook of its modules removed itself (NOTE [a hook
+    that removed itself in a jitted call])."""
+    return TorchCallError(
+        f"{name}: a hook of the modules it runs removed itself in this call, the value call of a derivative "
+        f"or a derivative (a one-shot hook, such as an initialization from the first batch that then calls "
+        f"handle.remove()), so the value and the derivative, each a call of the function of its own, would "
+        f"be those of different functions. Make the function's first call a plain one (f(x), outside "
+        f"jax.grad and jax.value_and_grad), which runs the hook once as PyTorch's first call does; its "
+        f"later derivatives run as the function is then."
+    )
+
+
 class _RunnerWithEffects(_RunnerWatchingDraws):
     """The runner of a call of a function that draws random numbers or
     updates state it keeps, or that ran modules whose training flags decide
@@ -1126,8 +1163,10 @@ class _RunnerWithEffects(_RunnerWatchingDraws):
         fewer = None if now is None or now.same_as(traced) else now
         if fewer is not None:
             self._refuse_other_effects(inputs, fewer, traced)
-        # NOTE [a hook that removed itself in a value call] in replayed_calls.py
-        hooks_kept = now is not None and self.keeps_token and now.modes.hooks_in_place()
+        # NOTE [a hook that removed itself in a value call] in replayed_calls.py;
+        # the calls of a derivative of a function that keeps no token too (NOTE
+        # [a hook that removed itself in a jitted call]).
+        hooks_kept = now is not None and now.modes.hooks_in_place()
         call_effects = self.base.call_effects
         # On a GPU, the generator is handled in the nested call on XLA's stream.
         generator = self.generator if not stream else None
@@ -1137,10 +1176,12 @@ class _RunnerWithEffects(_RunnerWatchingDraws):
             with call_effects():
                 with generator.around(inputs, outputs) if generator is not None else contextlib.nullcontext():
                     _Runner.__call__(self, inputs, outputs, stream)
+        removed = hooks_kept and not now.modes.hooks_in_place()
         token_at = len(self.base.out_avals) - 1
         if now is not None and self.keeps_token and len(outputs) > token_at:
-            removed = hooks_kept and not now.modes.hooks_in_place()
             note_value_call(self.base, outputs[token_at], fewer, removed)
+        elif removed:
+            raise one_shot_hook_refusal(self.name)
 
     def _refuse_other_effects(self, inputs: Sequence[torch.Tensor], now: Effects, traced: Effects) -> None:
         """Refuse a call that finds effects ``now`` other than those the rules

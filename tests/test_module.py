@@ -1066,6 +1066,65 @@ def test_a_hook_registered_again_that_computes_otherwise_is_resolved_again(x64, 
         _hook_scale = 2.0
 
 
+def _tripling_hook(module, args, output):
+    return output * 3
+
+
+@pytest.mark.parametrize("change", ["removed", "added"])
+@pytest.mark.parametrize("split", ["jax.vjp", "jax.linearize"])
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+def test_a_hook_changed_between_a_value_call_and_its_derivative_is_refused(x64, change, split, compile):
+    """NOTE [a derivative called apart from its value]: a hook removed (or
+    added) between ``jax.vjp`` and its pullback, or ``jax.linearize`` and
+    its function, was left out of (or run in) the derivative only: the
+    gradient of another function than the value's (off by 6.57 in the
+    twelfth fuzzing pass), silently. Now refused, naming the fix; the same
+    hook registered again in between runs, and gives PyTorch's derivative,
+    and a fresh jax.vjp after the change too."""
+    net = _sequential_net()
+    apply, params = t2j_ad.jaxify_module(net, compile=compile)
+    x = jnp.array([0.3, -1.2, 0.7])
+    ct, tangent = jnp.array([1.0, -2.0]), jnp.array([0.5, 1.0, -1.0])
+
+    def split_call():
+        """The value, and the derivative to call later, each with its expected result from torch.func."""
+        own = {k: v.detach() for k, v in net.named_parameters()}
+        reference = lambda z: torch.func.functional_call(net, own, (z,))  # noqa: E731
+        if split == "jax.vjp":
+            value, pullback = jax.vjp(apply, params, x)
+            expected, torch_pullback = torch.func.vjp(reference, to_torch(x))
+            return value, expected, lambda: pullback(ct)[1], torch_pullback(to_torch(ct))[0]
+        value, linear = jax.linearize(lambda z: apply(params, z), x)
+        expected, expected_tangent = torch.func.jvp(reference, (to_torch(x),), (to_torch(tangent),))
+        return value, expected, lambda: linear(tangent), expected_tangent
+
+    def assert_as_torch(value, expected, derivative, expected_derivative):
+        np.testing.assert_allclose(value, to_numpy(expected.detach()), rtol=1e-12)
+        np.testing.assert_allclose(derivative(), to_numpy(expected_derivative.detach()), rtol=1e-10, atol=1e-12)
+
+    handles = [net[2].register_forward_hook(_tripling_hook)] if change == "removed" else []
+    try:
+        assert_as_torch(*split_call())
+        value, expected, derivative, _ = split_call()
+        np.testing.assert_allclose(value, to_numpy(expected.detach()), rtol=1e-12)
+        if change == "removed":
+            handles.pop().remove()
+        else:
+            handles.append(net[2].register_forward_hook(_tripling_hook))
+        with pytest.raises(t2j_ad.TorchCallError, match=r"changed between its value call .* Call jax\.vjp"):
+            derivative()
+        assert_as_torch(*split_call())  # the modules as they are now
+        if not handles:
+            handles.append(net[2].register_forward_hook(_tripling_hook))
+        first = split_call()
+        handles.pop().remove()  # the same hook again in between: the value's function
+        handles.append(net[2].register_forward_hook(_tripling_hook))
+        assert_as_torch(*first)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 class _OneHead(nn.Module):
     def __init__(self):
         super().__init__()

@@ -1565,6 +1565,55 @@ def test_a_one_shot_hook_under_a_jitted_value_and_grad(x64, compile, plain_first
     assert len(module._forward_pre_hooks) == 0
 
 
+def _stateless_one_shot(seed: int) -> torch.nn.Module:
+    """A linear layer whose forward hook doubles its first output, then
+    removes itself: no state, so its derivatives keep no token."""
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(3, 3).double().to(TORCH_DEVICE)
+    handle = []
+
+    def once(m, args, out):
+        handle[0].remove()
+        return out * 2
+
+    handle.append(lin.register_forward_hook(once))
+    return lin
+
+
+@pytest.mark.parametrize("compile", ["eager", "graph"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_stateless_one_shot_hook_under_a_value_and_grad_is_refused(x64, compile, jit):
+    """A one-shot hook that changes the output and keeps no state: the
+    first ``jax.value_and_grad`` gave the value with the hook and the
+    gradient without it, silently (the twelfth fuzzing pass). Refused, the
+    hook run once, as PyTorch's first call runs it (NOTE [a hook that
+    removed itself in a jitted call] in runtime.py, NOTE [a derivative
+    called apart from its value] in split_derivatives.py); every later step
+    gives torch.func's value and gradient without it, and a plain first
+    call is not refused."""
+    module, twin = _stateless_one_shot(0), _stateless_one_shot(0)
+    f = t2j_ad.jaxify(lambda x: (module(x) ** 2).sum(), compile=compile)
+    step = jax.value_and_grad(f)
+    step = jax.jit(step) if jit else step
+    batches = _batches(3)
+    with pytest.raises(Exception, match="removed itself in this call"):
+        jax.block_until_ready(step(jnp.asarray(batches[0])))
+    assert len(module._forward_hooks) == 0
+    _torch_outputs(twin, batches[:1])  # PyTorch's first call: the hook
+    for batch in batches[1:]:
+        value, grad = step(jnp.asarray(batch))
+        expected_value, expected_grad = _value_and_grad_after_init(twin, batch)
+        np.testing.assert_allclose(value, expected_value, rtol=1e-12)
+        np.testing.assert_allclose(grad, expected_grad, rtol=1e-10, atol=1e-12)
+    plain, reference = _stateless_one_shot(1), _stateless_one_shot(1)
+    g = t2j_ad.jaxify(lambda x: (plain(x) ** 2).sum(), compile=compile)
+    np.testing.assert_allclose(g(jnp.asarray(batches[0])), (_torch_outputs(reference, batches[:1])[0] ** 2).sum())
+    value, grad = (jax.jit(jax.value_and_grad(g)) if jit else jax.value_and_grad(g))(jnp.asarray(batches[1]))
+    expected_value, expected_grad = _value_and_grad_after_init(reference, batches[1])
+    np.testing.assert_allclose(value, expected_value, rtol=1e-12)
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-10, atol=1e-12)
+
+
 _APPENDED = {
     "a view of its input": lambda x: x[1:],
     "a tensor computed from it": lambda x: torch.sin(x) * 2,
