@@ -450,6 +450,10 @@ class StructureSeen:
             return False
         return self.modules_hold()
 
+    def runs_modules(self) -> bool:
+        """Whether the function runs any module it names."""
+        return bool(self._modules)
+
     def modules_hold(self) -> bool:
         """``holds()`` for the modules alone, the names the function reads
         aside (NOTE [a derivative called apart from its value] in

@@ -27,7 +27,7 @@ from .kept_inputs import CAN_MOVE, any_kept, kept_by_address, release_kept_input
 from .kept_inputs import references as kept_inputs_references
 from .malloc_tuning import tune_malloc
 from .module_locks import taken_after
-from .module_structure import StructureSeen
+from .module_structure import StructureSeen, registrations
 from .real_writes import call_undone, one_trial_run, trial_running
 from .replayed_calls import (
     Effects,
@@ -1064,7 +1064,11 @@ class _RunnerWatchingDraws(_RunnerWatchingNames):
 # refusal comes first; the derivative's binding would refuse it otherwise
 # (NOTE [a derivative called apart from its value] in
 # split_derivatives.py). A function that runs no module, and whose hook is
-# a global one, is not watched.
+# a global one, is not watched. A call in which a hook was registered too is
+# not refused: a forward that replaces its own hook on every call (removes
+# the last call's, registers a new one) runs alike in the value call and
+# its derivative. A hook that only observes (returns None) is refused like
+# one that changes the output: which it is shows only as it runs.
 
 
 def one_shot_hook_refusal(name: str) -> TorchCallError:
@@ -1072,12 +1076,13 @@ def one_shot_hook_refusal(name: str) -> TorchCallError:
     ``name`` in which a hook of its modules removed itself (NOTE [a hook
     that removed itself in a jitted call])."""
     return TorchCallError(
-        f"{name}: a hook of the modules it runs removed itself in this call, the value call of a derivative "
+        f"{name}: a hook of the modules it runs was removed during this call, the value call of a derivative "
         f"or a derivative (a one-shot hook, such as an initialization from the first batch that then calls "
-        f"handle.remove()), so the value and the derivative, each a call of the function of its own, would "
-        f"be those of different functions. Make the function's first call a plain one (f(x), outside "
-        f"jax.grad and jax.value_and_grad), which runs the hook once as PyTorch's first call does; its "
-        f"later derivatives run as the function is then."
+        f"handle.remove(), or a hook that removes another), so the value and the derivative, each a call of "
+        f"the function of its own, would be those of different functions, even where the hook only "
+        f"observes: t2j_ad cannot tell. Make the function's first call a plain one (f(x), outside jax.grad "
+        f"and jax.value_and_grad), which runs the hook once as PyTorch's first call does; its later "
+        f"derivatives run as the function is then."
     )
 
 
@@ -1167,6 +1172,7 @@ class _RunnerWithEffects(_RunnerWatchingDraws):
         # the calls of a derivative of a function that keeps no token too (NOTE
         # [a hook that removed itself in a jitted call]).
         hooks_kept = now is not None and now.modes.hooks_in_place()
+        hooks_registered = registrations()[1] if hooks_kept else None
         call_effects = self.base.call_effects
         # On a GPU, the generator is handled in the nested call on XLA's stream.
         generator = self.generator if not stream else None
@@ -1180,7 +1186,10 @@ class _RunnerWithEffects(_RunnerWatchingDraws):
         token_at = len(self.base.out_avals) - 1
         if now is not None and self.keeps_token and len(outputs) > token_at:
             note_value_call(self.base, outputs[token_at], fewer, removed)
-        elif removed:
+        elif removed and registrations()[1] == hooks_registered:
+            # A forward that replaces its own hook on every call (removes the
+            # last call's, registers a new one) runs alike in the value call
+            # and its derivative.
             raise one_shot_hook_refusal(self.name)
 
     def _refuse_other_effects(self, inputs: Sequence[torch.Tensor], now: Effects, traced: Effects) -> None:

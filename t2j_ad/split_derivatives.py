@@ -35,7 +35,13 @@ named_bindings.py), and where that changes what it draws or writes the
 derivative's runner refuses it. A function whose
 own forward binds its submodules (``self.active = self.heads[self.k]``,
 NOTE [a submodule switched by its own forward]) changes the structure in
-its value call itself, and is not checked.
+its value call itself, and is not checked. Nor is a function that runs no
+module: a global hook registered in between (``torch.utils.module_tracker``,
+which ``FlopCounterMode`` enters) reaches no module of its. A hook that only
+observes (an activation capture, returning None) removed in between is
+refused too, which costs the "register, forward, remove, backward"
+pattern a reorder (call the pullback, then remove the hook): whether a
+hook changes what it sees shows only as it runs.
 
 A derivative bound with its value call (``jax.grad``, ``jax.jvp``,
 ``jax.value_and_grad`` without ``jax.jit``) binds it right after the
@@ -61,9 +67,10 @@ from .torch_fn import Jvp, TorchFn, Vjp
 
 
 class ModulesChangedSinceValueError(TorchCallError):
-    """The modules a function runs, or the names it reads, changed between
-    its value call and a derivative called apart from it (NOTE [a derivative
-    called apart from its value])."""
+    """The modules a function runs changed between its value call and a
+    derivative called apart from it: a hook added or removed, a submodule,
+    parameter or buffer registered or replaced (NOTE [a derivative called
+    apart from its value])."""
 
 
 def _changed_since_value(fun: TorchFn) -> bool:
@@ -75,8 +82,15 @@ def _changed_since_value(fun: TorchFn) -> bool:
     base = fun.base
     structure = getattr(getattr(base, "effects_root", None) or base, "structure", None)
     # A forward that binds its own submodules (NOTE [a submodule switched by
-    # its own forward]) changes the structure in its value call itself.
-    return structure is not None and not structure.binds_its_own_submodules() and not structure.modules_hold()
+    # its own forward]) changes the structure in its value call itself; a
+    # function that runs no module is untouched by a global hook registered
+    # in between (torch.utils.module_tracker's, FlopCounterMode's).
+    return (
+        structure is not None
+        and structure.runs_modules()
+        and not structure.binds_its_own_submodules()
+        and not structure.modules_hold()
+    )
 
 
 def refusal(name: str) -> ModulesChangedSinceValueError:
@@ -84,13 +98,14 @@ def refusal(name: str) -> ModulesChangedSinceValueError:
     since its value call."""
     return ModulesChangedSinceValueError(
         f"{name}: the modules it runs changed between its value call and this derivative: a hook added or "
-        f"removed (handle.remove() between jax.vjp or jax.linearize and a call of the function it returned, "
-        f"or a one-shot hook that removed itself in the value call), or a submodule replaced. The "
-        f"derivative runs the function again, as the modules are now, and would differentiate another "
-        f"function than the value's (PyTorch's backward differentiates the forward it recorded). Call "
-        f"jax.vjp (or jax.linearize) again after changing the modules, or change them only after calling "
-        f"the function it returned. For a one-shot hook, make the function's first call a plain one (f(x), "
-        f"outside jax.grad), which runs the hook once as PyTorch's first call does."
+        f"removed (handle.remove() between jax.vjp or jax.linearize and a call of the function it returned), "
+        f"a submodule replaced, or a parameter or buffer registered (by the value call itself, as a forward "
+        f"that registers one or installs a hook on its first run). The derivative runs the function again, "
+        f"as the modules are now, and would differentiate another function than the value's (PyTorch's "
+        f"backward differentiates the forward it recorded), even where the hook only observes: t2j_ad cannot "
+        f"tell. Call the function jax.vjp (or jax.linearize) returned before changing the modules, or call "
+        f"jax.vjp again after; where the value call changed them itself, make the function's first call a "
+        f"plain one (f(x), outside jax.grad), which does so once as PyTorch's first call does."
     )
 
 

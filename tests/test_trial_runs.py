@@ -1596,7 +1596,7 @@ def test_a_stateless_one_shot_hook_under_a_value_and_grad_is_refused(x64, compil
     step = jax.value_and_grad(f)
     step = jax.jit(step) if jit else step
     batches = _batches(3)
-    with pytest.raises(Exception, match="removed itself in this call"):
+    with pytest.raises(Exception, match="was removed during this call"):
         jax.block_until_ready(step(jnp.asarray(batches[0])))
     assert len(module._forward_hooks) == 0
     _torch_outputs(twin, batches[:1])  # PyTorch's first call: the hook
@@ -1612,6 +1612,49 @@ def test_a_stateless_one_shot_hook_under_a_value_and_grad_is_refused(x64, compil
     expected_value, expected_grad = _value_and_grad_after_init(reference, batches[1])
     np.testing.assert_allclose(value, expected_value, rtol=1e-12)
     np.testing.assert_allclose(grad, expected_grad, rtol=1e-10, atol=1e-12)
+
+
+
+class _RehooksEveryCall(torch.nn.Module):
+    """A forward that replaces its own activation-capturing hook on every
+    call: the last call's removed, a new one registered."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+        self.handle = None
+        self.seen = 0
+
+    def forward(self, x):
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = self.net[1].register_forward_hook(self._see)
+        return self.net(x)
+
+    def _see(self, module, args, output):
+        self.seen += 1
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_forward_that_replaces_its_own_hook_every_call_is_differentiated(jit):
+    """A hook removed during a derivative's call is refused (NOTE [a hook
+    that removed itself in a jitted call]) but where the call registered
+    one too: the first version refused every call of this forward, whose
+    value call and derivative run alike."""
+    module = _RehooksEveryCall()
+    loss = lambda x: (module(x) ** 2).sum()  # noqa: E731
+    f = t2j_ad.jaxify(loss)
+    # The first call is a plain one: it installs the hook, as a derivative's
+    # first value call would, between it and its derivative (NOTE [a
+    # derivative called apart from its value]).
+    np.testing.assert_allclose(f(jnp.ones(3)), to_numpy(loss(torch.ones(3))), rtol=1e-6)
+    step = jax.jit(jax.value_and_grad(f)) if jit else jax.value_and_grad(f)
+    for x in (jnp.array([0.3, -1.2, 0.7]), jnp.array([1.0, 0.5, -0.25])):
+        value, grad = step(x)
+        expected_value, expected_grad = torch.func.grad_and_value(loss)(to_torch(x))[::-1]
+        np.testing.assert_allclose(value, to_numpy(expected_value), rtol=1e-5)
+        np.testing.assert_allclose(grad, to_numpy(expected_grad), rtol=1e-5, atol=1e-6)
 
 
 _APPENDED = {
