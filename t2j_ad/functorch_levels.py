@@ -89,8 +89,9 @@ except (ImportError, AttributeError):
 # level is seen (and no jvp staticmethod is seen under two forward levels).
 try:
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters as _all_interpreters
+    from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack as _pop_interpreter
 except ImportError:
-    _all_interpreters = None
+    _all_interpreters = _pop_interpreter = None
 # Private: the operator an autograd.Function's apply calls inside torch.func
 # transforms, with the Function's class first; a TorchFunctionMode sees it.
 try:
@@ -280,19 +281,32 @@ def innermost_jvp_level() -> int | None:
 
 def jvp_levels_of(tensors: Sequence[object]) -> set[int]:
     """The levels of the ``jvp`` transforms now open at which one of
-    ``tensors`` has a layer (a dual number of that level, under the inner
-    levels' wrappers): NOTE [a jvp staticmethod under a second forward
-    level] in rules/forward_over_forward.py."""
+    ``tensors`` is a dual number with a tangent (its layer of that level,
+    under the inner levels' wrappers, read with those levels popped: read
+    under them, no tangent of an outer level shows; a tensor an inner
+    ``jvp`` lifted through an outer level has a layer there but no
+    tangent): NOTE [a jvp staticmethod under a second forward level] in
+    rules/forward_over_forward.py."""
     functorch = torch._C._functorch  # private
-    interpreters = _all_interpreters() if _all_interpreters is not None else ()
-    jvps = {i.level() for i in interpreters if i.key() == functorch.TransformType.Jvp}
-    return {
-        level
+    if _all_interpreters is None or _pop_interpreter is None:
+        return set()
+    layers = [
+        (functorch.maybe_get_level(layer), layer)
         for t in tensors
         if isinstance(t, torch.Tensor)
         for layer in wrapped_layers(t)
-        if (level := functorch.maybe_get_level(layer)) in jvps
-    }
+    ]
+    found = set()
+    with contextlib.ExitStack() as popped:
+        for interpreter in reversed(_all_interpreters()):  # innermost first
+            level = interpreter.level()
+            if interpreter.key() == functorch.TransformType.Jvp and any(
+                at == level and torch.autograd.forward_ad.unpack_dual(layer).tangent is not None
+                for at, layer in layers
+            ):
+                found.add(level)
+            popped.enter_context(_pop_interpreter())
+    return found
 
 
 def with_graphs_recorded(fn: Flat, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -1045,15 +1045,50 @@ def test_forward_over_forward_through_a_jvp_staticmethod_whose_backward_drops_it
     np.testing.assert_allclose(
         jax.jacrev(jax.jacfwd(f))(X, w), np.einsum("ij,ik,i->ijk", np.eye(4), np.eye(4), second), rtol=1e-5, atol=1e-6
     )
-    # jax.jvp in w of jax.jvp in x: the Function's input is no dual number in w, so nothing is lost.
-    in_w = jax.jvp(lambda w: jax.jvp(lambda x: f(x, w), (X,), (V,))[1], (w,), (V,))[1]
+    # jax.jvp in w of jax.jvp in x: the Function's input has a layer of the
+    # outer level (the inner jvp lifts it there) but no tangent in w, so
+    # nothing is lost and nothing falls back (the first version did).
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        in_w = jax.jvp(lambda w: jax.jvp(lambda x: f(x, w), (X,), (V,))[1], (w,), (V,))[1]
     np.testing.assert_allclose(in_w, np.sin(2 * _X64) * _V64**2, rtol=1e-5, atol=1e-6)
+    assert fallback_warnings(record) == []
     refusal = "over its forward mode .* jvp staticmethod of DetachedGradientSinWithJvpAndVmap"
     with pytest.raises(Exception, match=refusal) as refused:
         jax.block_until_ready(_nested_jvps(lambda x: f(x, w), 2))
     message = str(refused.value)
     assert "the backward of DetachedGradientSinWithJvpAndVmap is not differentiable in its incoming gradient" in message
     assert "Take the outer derivative in reverse mode (jax.jacrev(jax.jacfwd(f))" in message
+
+
+
+class ForwardOnlySin(torch.autograd.Function):
+    """sin with a jvp staticmethod and no backward."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return torch.sin(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    def jvp(ctx, x_t):
+        (x,) = ctx.saved_tensors
+        return torch.cos(x) * x_t
+
+
+def test_forward_over_forward_through_a_function_without_a_backward_is_refused_by_name():
+    # First order runs the jvp staticmethod; the second forward level has no
+    # reverse pass to take its derivative from: refused naming the Function,
+    # where the first version raised PyTorch's internal errors.
+    f = t2j_ad.jaxify(lambda x: ForwardOnlySin.apply(x) ** 2)
+    np.testing.assert_allclose(_nested_jvps(f, 1), np.sin(2 * _X64) * _V64, rtol=1e-5)
+    with pytest.raises(Exception, match="jvp staticmethod of ForwardOnlySin, .* ForwardOnlySin defines no backward"):
+        jax.block_until_ready(_nested_jvps(f, 2))
 
 
 # ------------------------------------------------------- NumpySort/NumpyTake

@@ -820,6 +820,8 @@ def forward_mode(
                 f"reverse passes.{advice}",
             )
         if watch is not None and watch.seen is not None:
+            if not forward_over_forward.has_backward(watch.seen):
+                raise forward_over_forward.no_backward_refusal(base.name, watch.seen)
             decided[("jvp", key)] = "double_vjp"
             decided[("jvp staticmethod", key)] = watch.seen
             warn_once(base, "jvp over jvp", forward_over_forward.switch_warning(base.name, watch.seen))

@@ -17,20 +17,29 @@ So a ``Jvp`` over another one (``over_forward``) runs ``torch.func.jvp``
 with a watch (``JvpStaticmethodWatch``, a TorchFunctionMode entered at the
 start of its level) that sees each Function's call (functorch's
 ``custom_function_call``, the Function's class first) and notes one that
-has a ``jvp`` staticmethod and an input that is a dual number at this level
-and at a ``jvp`` level inside it: the inner level's formula is lost to this
-one. Then that ``Jvp`` takes the double-vjp trick instead (NOTE [fallbacks]
+has a ``jvp`` staticmethod and an input that is a dual number with a
+tangent at this level and at a ``jvp`` level inside it (each level's
+tangent read with the levels inside it popped, under which it does not
+show; an inner ``jvp`` lifts its primal through the outer levels, a layer
+there with no tangent, which does not count): the inner level's formula
+is lost to this one. Then that ``Jvp`` takes the double-vjp trick instead (NOTE [fallbacks]
 in fallbacks.py: two reverse passes, over which the formula is
 differentiated right), on that call (run again) and on every later call of
-that transform (a decision kept on the function), with one warning. A
+that transform (a decision kept on the function), with one warning; a
+Function with no ``backward`` of its own gives the trick nothing to
+differentiate, and is refused by name (``no_backward_refusal``). A
 Function whose input is no dual number at this level (a closed-over input,
 ``jax.jacfwd`` in ``w`` of ``jax.jacfwd`` in ``x``), or at none inside it,
 loses nothing and changes nothing. The trick differentiates the Function's
 backward in its incoming gradient; where that backward is not
 differentiable there, the trick's refusal is raised with this cause named
 (``refusal``): reverse mode for the outer order avoids both. (A Function
-whose jvp and backward disagree, a straight-through estimator, then gets
-the outer order from its backward, as ``jax.jacrev(jax.jacfwd(f))`` does.)
+whose jvp and backward disagree, a straight-through estimator or a
+gradient reversal, then gets the outer order from its backward, as
+``jax.jacrev(jax.jacfwd(f))`` does, even where its formula ignores the
+primal and nothing would be lost: the warning says so. Not watched: a
+``torch.func.jvp`` the user's function makes itself, under a first-order
+JAX ``jvp``, which loses the same part, as ``torch.func`` alone does.)
 First-order calls, and a second order whose inner order is reverse mode
 (``jax.hessian``), run no watch; a watched call pays the mode's dispatch
 of each op (6% of a bare ``torch.func.jvp`` of ``jvp`` of a 4-layer MLP;
@@ -82,14 +91,36 @@ def watched(fn: Flat, watch: JvpStaticmethodWatch) -> Flat:
     return watching
 
 
+def has_backward(function: type) -> bool:
+    """Whether ``function`` defines a ``backward`` (or ``vjp``) of its own,
+    from which the double-vjp trick could take the outer level."""
+    base = torch.autograd.Function
+    return function.backward is not base.backward or function.vjp is not base.vjp
+
+
+def no_backward_refusal(name: str, function: type) -> RuntimeError:
+    """The error of forward mode over forward mode through ``function``'s
+    ``jvp`` staticmethod where ``function`` has no ``backward``."""
+    return RuntimeError(
+        f"t2j_ad: forward mode of {name!r} over its forward mode (jax.jacfwd(jax.jacfwd(f)), jax.jvp of "
+        f"jax.jvp) goes through the jvp staticmethod of {function.__name__}, which PyTorch runs with forward "
+        f"AD off, so the outer forward level would lose its derivative (torch.func.jacfwd(torch.func.jacfwd(f)) "
+        f"does, silently); t2j_ad takes that level from two reverse passes instead, but {function.__name__} "
+        f"defines no backward. Define backward (and setup_context's save_for_backward) on {function.__name__}, "
+        f"or write its forward with torch ops and no autograd.Function."
+    )
+
+
 def switch_warning(name: str, function: type) -> str:
     """The warning of a ``Jvp`` that takes the double-vjp trick for ``function``."""
     return (
         f"t2j_ad: forward mode of {name!r} over its forward mode (jax.jacfwd(jax.jacfwd(f)), jax.jvp of "
         f"jax.jvp) falls back to the double-vjp trick because it goes through the jvp staticmethod of "
         f"{function.__name__}, which PyTorch runs with forward AD off: an outer forward level would lose its "
-        f"derivative (torch.func.jacfwd(torch.func.jacfwd(f)) does, silently). Results are exact; it costs two "
-        f"reverse passes. Reverse mode for the outer order (jax.jacrev(jax.jacfwd(f)), jax.hessian) avoids it."
+        f"derivative (torch.func.jacfwd(torch.func.jacfwd(f)) does, silently). Results are exact where its "
+        f"backward agrees with its jvp (the outer order is taken from the backward, as "
+        f"jax.jacrev(jax.jacfwd(f)) takes it); it costs two reverse passes. Reverse mode for the outer order "
+        f"(jax.jacrev(jax.jacfwd(f)), jax.hessian) avoids it."
     )
 
 
