@@ -965,29 +965,15 @@ def test_forward_over_reverse_that_loses_nothing_through_a_backward_that_drops_i
 # too). The outer forward level now takes the double-vjp trick.
 
 
-class SinWithJvp(torch.autograd.Function):
+class SinWithJvp(NumpyBackwardSinWithJvp):
     """sin with a jvp staticmethod and a differentiable backward."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x):
-        return torch.sin(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-        ctx.save_for_forward(inputs[0])
-
-    @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         return grad * torch.cos(x)
-
-    @staticmethod
-    def jvp(ctx, x_t):
-        (x,) = ctx.saved_tensors
-        return torch.cos(x) * x_t
 
 
 def _nested_jvps(f, order: int):
@@ -1062,23 +1048,10 @@ def test_forward_over_forward_through_a_jvp_staticmethod_whose_backward_drops_it
 
 
 
-class ForwardOnlySin(torch.autograd.Function):
-    """sin with a jvp staticmethod and no backward."""
+class ForwardOnlySin(SinWithJvp):
+    """SinWithJvp without its backward: PyTorch's own, which raises."""
 
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return torch.sin(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_forward(inputs[0])
-
-    @staticmethod
-    def jvp(ctx, x_t):
-        (x,) = ctx.saved_tensors
-        return torch.cos(x) * x_t
+    backward = staticmethod(torch.autograd.Function.backward)
 
 
 def test_forward_over_forward_through_a_function_without_a_backward_is_refused_by_name():
