@@ -262,12 +262,10 @@ def jvp_tangent(t: torch.Tensor) -> torch.Tensor | None:
     on top, the tangent would not be seen (under a gradient level) or the
     read would fail (under a batching level): NOTE [a reverse pass
     differentiated in forward mode] in rules/fallbacks.py."""
-    functorch = torch._C._functorch  # private
-    top = functorch.peek_interpreter_stack()
-    if top is None or top.key() != functorch.TransformType.Jvp:
+    level = innermost_jvp_level()
+    if level is None:
         return None
-    level = top.level()
-    layer = next((x for x in wrapped_layers(t) if functorch.maybe_get_level(x) == level), None)
+    layer = next((x for x in wrapped_layers(t) if torch._C._functorch.maybe_get_level(x) == level), None)
     return None if layer is None else torch.autograd.forward_ad.unpack_dual(layer).tangent
 
 

@@ -26,8 +26,9 @@ from .held_bindings import apart_from_the_call, bound_among, bound_now
 from .kept_inputs import CAN_MOVE, any_kept, kept_by_address, release_kept_inputs, unmovable_kept_input
 from .kept_inputs import references as kept_inputs_references
 from .malloc_tuning import tune_malloc
+from .module_hooks import user_hooks_registered
 from .module_locks import taken_after
-from .module_structure import StructureSeen, registrations
+from .module_structure import StructureSeen
 from .real_writes import call_undone, one_trial_run, trial_running
 from .replayed_calls import (
     Effects,
@@ -1172,7 +1173,7 @@ class _RunnerWithEffects(_RunnerWatchingDraws):
         # the calls of a derivative of a function that keeps no token too (NOTE
         # [a hook that removed itself in a jitted call]).
         hooks_kept = now is not None and now.modes.hooks_in_place()
-        hooks_registered = registrations()[1] if hooks_kept else None
+        hooks_registered = user_hooks_registered() if hooks_kept else None
         call_effects = self.base.call_effects
         # On a GPU, the generator is handled in the nested call on XLA's stream.
         generator = self.generator if not stream else None
@@ -1186,7 +1187,7 @@ class _RunnerWithEffects(_RunnerWatchingDraws):
         token_at = len(self.base.out_avals) - 1
         if now is not None and self.keeps_token and len(outputs) > token_at:
             note_value_call(self.base, outputs[token_at], fewer, removed)
-        elif removed and registrations()[1] == hooks_registered:
+        elif removed and user_hooks_registered() == hooks_registered:
             # A forward that replaces its own hook on every call (removes the
             # last call's, registers a new one) runs alike in the value call
             # and its derivative.
@@ -1283,11 +1284,19 @@ def _effect_duties(fun: TorchFn) -> tuple[bool, bool, bool]:
     return checks_flags, holds_off_trial_runs, draws_alone
 
 
+def structure_of(fun: TorchFn) -> StructureSeen | None:
+    """What ``fun``'s function found its modules (and the names it reads)
+    holding when its signature was resolved, where it keeps that: on the
+    function whose effects it shares (a keeping or replaying variant's
+    root), else on its own base."""
+    base = fun.base
+    return getattr(getattr(base, "effects_root", None) or base, "structure", None)
+
+
 def _names_watched(fun: TorchFn) -> StructureSeen | None:
     """What the names ``fun``'s function reads hold, where it remembers some
     (NOTE [a name rebound after a call])."""
-    base = fun.base
-    structure = getattr(getattr(base, "effects_root", None) or base, "structure", None)
+    structure = structure_of(fun)
     return structure if structure is not None and structure.watches_names() else None
 
 

@@ -62,7 +62,7 @@ from typing import Any
 
 from ._jax_internals import apply_primitive
 from .primitive import torch_call_p
-from .runtime import TorchCallError
+from .runtime import TorchCallError, structure_of
 from .torch_fn import Jvp, TorchFn, Vjp
 
 
@@ -79,8 +79,7 @@ def _changed_since_value(fun: TorchFn) -> bool:
     resolved."""
     if not any(isinstance(t, (Jvp, Vjp)) for t in fun.transforms):
         return False
-    base = fun.base
-    structure = getattr(getattr(base, "effects_root", None) or base, "structure", None)
+    structure = structure_of(fun)
     # A forward that binds its own submodules (NOTE [a submodule switched by
     # its own forward]) changes the structure in its value call itself; a
     # function that runs no module is untouched by a global hook registered

@@ -98,15 +98,23 @@ def has_backward(function: type) -> bool:
     return function.backward is not base.backward or function.vjp is not base.vjp
 
 
+def _lost_through(name: str, function: type) -> str:
+    """What the refusals say first: why the outer forward level of ``name``
+    cannot go through ``function``'s ``jvp`` staticmethod."""
+    return (
+        f"t2j_ad: forward mode of {name!r} over its forward mode (jax.jacfwd(jax.jacfwd(f)), jax.jvp of "
+        f"jax.jvp) goes through the jvp staticmethod of {function.__name__}, which PyTorch runs with forward "
+        f"AD off, so the outer forward level would lose its derivative (torch.func.jacfwd(torch.func.jacfwd(f)) "
+        f"does, silently)"
+    )
+
+
 def no_backward_refusal(name: str, function: type) -> RuntimeError:
     """The error of forward mode over forward mode through ``function``'s
     ``jvp`` staticmethod where ``function`` has no ``backward``."""
     return RuntimeError(
-        f"t2j_ad: forward mode of {name!r} over its forward mode (jax.jacfwd(jax.jacfwd(f)), jax.jvp of "
-        f"jax.jvp) goes through the jvp staticmethod of {function.__name__}, which PyTorch runs with forward "
-        f"AD off, so the outer forward level would lose its derivative (torch.func.jacfwd(torch.func.jacfwd(f)) "
-        f"does, silently); t2j_ad takes that level from two reverse passes instead, but {function.__name__} "
-        f"defines no backward. Define backward (and setup_context's save_for_backward) on {function.__name__}, "
+        f"{_lost_through(name, function)}; t2j_ad takes that level from two reverse passes instead, but "
+        f"{function.__name__} defines no backward. Define backward (and setup_context's save_for_backward) on {function.__name__}, "
         f"or write its forward with torch ops and no autograd.Function."
     )
 
@@ -128,10 +136,7 @@ def refusal(name: str, function: type, err: RuntimeError) -> RuntimeError:
     """The double-vjp trick's refusal ``err``, with why it ran: ``function``'s
     ``jvp`` staticmethod under a second forward level."""
     return RuntimeError(
-        f"t2j_ad: forward mode of {name!r} over its forward mode (jax.jacfwd(jax.jacfwd(f)), jax.jvp of "
-        f"jax.jvp) goes through the jvp staticmethod of {function.__name__}, which PyTorch runs with forward "
-        f"AD off, so the outer forward level would lose its derivative (torch.func.jacfwd(torch.func.jacfwd(f)) "
-        f"does, silently). t2j_ad takes that level from two reverse passes instead, which differentiate "
+        f"{_lost_through(name, function)}. t2j_ad takes that level from two reverse passes instead, which differentiate "
         f"backwards in their incoming gradients, but {_refused_backward(err)}. Take the outer derivative in "
         f"reverse mode (jax.jacrev(jax.jacfwd(f)), or jax.hessian), or compute that backward with "
         f"differentiable torch ops on its incoming gradient."
