@@ -14,7 +14,7 @@ import torch
 
 from . import functorch_levels
 from .composite_norms import with_composite_norms
-from .convert import on_another_device, torch_dtype
+from .convert import canonical_jax_dtype, jax_dtype, on_another_device, torch_dtype
 from .held_bindings import held_through_the_call
 from .replayed_calls import effects, effects_now, per_example_refusal, token_input
 from .rules.fallbacks import forward_mode, reverse_mode, vmap_auto, warn_once
@@ -249,17 +249,27 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
     if t.method == "broadcast_all":
         return asked_for(broadcast_all)
 
-    batched = tuple(a.shape for a in t.avals(ins, outs)[1])
+    batched = t.avals(ins, outs)[1]
 
     def checked_expand_dims(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # A batching rule of PyTorch's that returns the wrong shape counts as
         # a refusal (torch 2.13's mse_loss under two vmaps that batch its two
         # arguments at different levels, at batch size 1): the loop is right.
+        # So does one that returns the wrong dtype: some rules promote by the
+        # batched tensors' ranks, not each example's (torch.where or clamp of
+        # a float32 example, 0-d, with a float64 0-d argument: float32, where
+        # each example's call gives float64). JAX's dtype of the result
+        # (with x64 off, a float64 one arrives as float32) is compared.
         results = expand_dims(*args)
-        for i, (r, shape) in enumerate(zip(results, batched)):
-            if tuple(r.shape) != shape:
+        for i, (r, aval) in enumerate(zip(results, batched)):
+            if tuple(r.shape) != aval.shape:
                 raise RuntimeError(
-                    f"torch.vmap returned output {i} with shape {tuple(r.shape)}, but batching gives {shape}"
+                    f"torch.vmap returned output {i} with shape {tuple(r.shape)}, but batching gives {aval.shape}"
+                )
+            if canonical_jax_dtype(jax_dtype(r.dtype)) != aval.dtype:
+                raise RuntimeError(
+                    f"torch.vmap returned output {i} of dtype {r.dtype}, but each example's call gives "
+                    f"{torch_dtype(aval.dtype)}"
                 )
         return results
 
