@@ -29,6 +29,7 @@ from .primitive import torch_call
 from .rules.partitioning import local_bases
 # Also PyTorch's result tuples as pytrees (NOTE [PyTorch's result tuples]).
 from .pytrees import flags_kept, registered_from_torch
+from .attention_fast_path import without_attention_fast_path
 from .recurrent_cudnn import without_cudnn_in_recurrent_forwards
 from .generator_calls import makes_generators
 from .random_state import referenced_generators
@@ -110,7 +111,7 @@ def _as_array(path: tuple[Any, ...], leaf: Any) -> jax.Array:
 
 def _warn_64bit(name: str, out_name: str, dtype: np.dtype, canonical: np.dtype) -> None:
     warnings.warn(
-        f"t2j_ad: {name} returns {dtype} for output {out_name}, but "
+        f"t2j_ad: {name} returns {dtype} for {out_name}, but "
         f"jax_enable_x64 is off, so JAX gets it as {canonical}, as JAX does "
         f"with 64-bit values in this mode. Enable x64 "
         f"(jax.config.update('jax_enable_x64', True)) to keep 64 bits.",
@@ -198,11 +199,12 @@ class JaxifiedFunction:
     signature (tree structure, shapes, dtypes) up in a per-function cache,
     inferring the outputs on a miss, and binds one ``torch_call``.
 
-    Make one with ``jaxify``; the constructor's one keyword of its own,
-    ``autograd_vjp=True``, is what ``t2j_ad.compat``'s
+    Make one with ``jaxify``. The constructor has two keywords of its own:
+    ``autograd_vjp=True`` is what ``t2j_ad.compat``'s
     ``torch2jax_with_vjp(use_torch_vjp=False)`` passes: reverse mode with
     ``torch.autograd.grad`` instead of trying ``torch.func.vjp`` first (see
-    NOTE [fallbacks]).
+    NOTE [fallbacks]); ``params_first=True`` is what ``jaxify_module``
+    passes, so that messages count ``batch_argnums`` after the params.
 
     ``copy.deepcopy`` gives the function itself, as for Python functions;
     ``pickle`` stores the PyTorch function and the options, so it pickles
@@ -337,6 +339,8 @@ class JaxifiedFunction:
         modules = referenced_modules(self.torch_fn)
         # NOTE [recurrent modules without cuDNN]: every run of the function, trial runs too.
         raw = without_cudnn_in_recurrent_forwards(self._raw_fn(in_tree), modules)
+        # NOTE [the attention fast path in a function's calls]: every run of it too.
+        raw = without_attention_fast_path(raw, modules)
         flat = self._flat_fn(raw)
         # Before the runs below, which may register (lazy modules). NOTE [a
         # name rebound after a call]
@@ -674,9 +678,12 @@ def jaxify(
         A ``JaxifiedFunction`` (or, without ``torch_fn``, a decorator making one).
 
     Raises:
-        TypeError: ``torch_fn`` is not callable.
-        ValueError: ``vmap_method`` is not one of the four methods, or
-            ``compile`` (or ``T2J_AD_COMPILE``) is not one of the three modes.
+        TypeError: ``torch_fn`` is not callable, ``batch_argnums`` is not a
+            non-negative int or a tuple of them, or a leaf of
+            ``output_shapes`` has no ``.shape`` and ``.dtype``.
+        ValueError: ``vmap_method`` is not one of the four methods,
+            ``compile`` (or ``T2J_AD_COMPILE``) is not one of the three
+            modes, or ``output_shapes`` declares no output (``()``).
     """
     if torch_fn is None:
         return functools.partial(

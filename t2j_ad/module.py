@@ -96,7 +96,9 @@ runs in PyTorch when it trains; graph mode's traces did so already. The
 switch is process-wide: it is off while any module call runs, and set back
 to what it was when the last one ends, so PyTorch code on another thread
 meanwhile computes without the fast path too (the same values, save the
-positions a padding mask hides).
+positions a padding mask hides). A function that closes over such a
+layer holds it off too (NOTE [the attention fast path in a function's
+calls] in attention_fast_path.py).
 """
 
 from __future__ import annotations
@@ -112,14 +114,15 @@ import jax
 import torch
 
 from .api import JaxifiedFunction, check_batch_argnums
+from .attention_fast_path import fast_path_off
 from .convert import call_device, copy_to_jax, jax_dtype, torch_device, torch_dtype
 from .module_modes import refuse_uninitialized
 from .module_structure import ModuleChangedError
 from .held_bindings import binding_in, place_for_release, release_after_the_call
 from .module_locks import acquire, in_lock_order, release
+from .parametrization_caches import own_parametrization_cache
 from .real_writes import forwards_end_here
 from .recurrent_cudnn import cudnn_off
-from .settings_held_off import HeldOff
 
 
 def _warn_narrowed_params_beside_wide_buffers(module: torch.nn.Module, params: Mapping[str, Any]) -> None:
@@ -192,8 +195,9 @@ class _TensorSlots:
 
 
 # PyTorch's attention fast path, off within the block (NOTE [PyTorch's
-# inference fast path]); blocks on several threads nest.
-_fast_path_off = HeldOff(torch.backends.mha.get_fastpath_enabled, torch.backends.mha.set_fastpath_enabled)
+# inference fast path]); blocks on several threads nest. One switch with the
+# calls of functions closing over attention layers (attention_fast_path.py).
+_fast_path_off = fast_path_off
 
 
 def _tables_held(modules: list[torch.nn.Module]) -> list[Any]:
@@ -393,6 +397,33 @@ def _note_recast_params(
     )
 
 
+def _dtypes_held(module: torch.nn.Module) -> dict[str, torch.dtype]:
+    """The dtype of each parameter and buffer of ``module``, by name."""
+    return {name: t.dtype for name, t in [*module.named_parameters(), *module.named_buffers()]}
+
+
+def _note_module_recast(err: Exception, module: torch.nn.Module, wrapped: Mapping[str, torch.dtype]) -> None:
+    """Name, on ``err`` (a failure inside the module), the parameters and
+    buffers cast since ``jaxify_module`` (``wrapped``: their dtypes then):
+    ``module.double()`` after it left float32 ``params`` beside float64
+    buffers, and PyTorch failed with "expected scalar type Float but found
+    Double", which names neither the cast nor the fix."""
+    now = _dtypes_held(module)
+    cast = [
+        f"{name} {str(wrapped[name]).removeprefix('torch.')} -> {str(d).removeprefix('torch.')}"
+        for name, d in now.items()
+        if wrapped.get(name, d) != d
+    ]
+    if not cast:
+        return
+    err.add_note(
+        f"jaxify_module({type(module).__name__}): the module was cast after jaxify_module wrapped it "
+        f"({', '.join(cast[:4])}{', ...' if len(cast) > 4 else ''}): each call binds the params it is given and "
+        f"passes the buffers as the module holds them now. Call jaxify_module again for the module as it is now "
+        f"(and use the params it returns), or cast the module back."
+    )
+
+
 def _check_params(params: Any, expected: Mapping[str, jax.Array]) -> None:
     if not isinstance(params, Mapping):
         raise TypeError(
@@ -462,10 +493,16 @@ def jaxify_module(
         again by ``jaxify_module`` when loaded (NOTE [pickling apply]).
 
     Raises:
-        TypeError: ``module`` is not a ``torch.nn.Module`` or ``device`` is
-            not a JAX device or sharding; later, from ``apply``: ``params``
-            lacks a parameter, has an extra one, or one of another shape (the
-            message names it).
+        TypeError: ``module`` is not a ``torch.nn.Module``, ``device`` is
+            not a JAX device or sharding, or ``batch_argnums`` is not a
+            non-negative int or a tuple of them; later, from ``apply``:
+            ``params`` lacks a parameter, has an extra one, or one of another
+            shape (the message names it).
+        ValueError: a parameter or buffer is on the ``meta`` device, or
+            ``vmap_method`` or ``compile`` is not one ``jaxify`` takes.
+        UninitializedModuleError: a lazy submodule (``nn.LazyLinear``) has
+            not made its parameters yet (a ``ValueError``; run the module
+            once first).
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"jaxify_module: module must be a torch.nn.Module, got {type(module).__name__}.")
@@ -505,10 +542,12 @@ def jaxify_module(
                 held.callback(_weight_lists_renewed, slots_now.recurrent)  # once the module's own are back
                 held.enter_context(_bound(slots.params, params))
                 held.enter_context(_bound(slots.buffers, copies))
-                with forwards_end_here():
+                # NOTE [a module call's own parametrization cache]
+                with forwards_end_here(), own_parametrization_cache(slots.module_ids):
                     out = module(*args, **kwargs)
             except Exception as err:
                 _note_recast_params(err, params, given_dtypes, module)
+                _note_module_recast(err, module, wrapped_dtypes)
                 raise
             # NOTE [bindings held through the reverse pass]: a derivative call
             # releases them when it ends; anything else, now.
@@ -525,6 +564,7 @@ def jaxify_module(
     )
 
     given_dtypes = {name: torch_dtype(p.dtype) for name, p in params.items()}
+    wrapped_dtypes = _dtypes_held(module)  # to name a cast made after this (_note_module_recast)
     made_by = _ApplyOptions(vmap_method, nums, jaxified.compile, output_shapes)
     return ModuleApply(module, jaxified, dict(params), made_by, forward.__qualname__), params
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import sys
 import threading
@@ -132,6 +133,7 @@ def set_torch_threads(n: int) -> None:
         n: the number of threads, at least 1.
 
     Raises:
+        TypeError: ``n`` is not an int (a ``bool`` neither).
         ValueError: ``n`` is less than 1, or more than PyTorch's
             ``set_num_threads`` takes (a C ``int``).
     """
@@ -165,9 +167,16 @@ def not_a_tensor(fn_name: str, where: str, value: object) -> TorchCallError:
         if "cache" in type(value).__name__.lower()
         else ""
     )
+    # A result class of the user's own: its fields are found once it is a pytree node.
+    node = (
+        f" To return a {type(value).__name__} holding tensors, register it as a pytree node: "
+        f"jax.tree_util.register_dataclass or torch.utils._pytree.register_dataclass."
+        if dataclasses.is_dataclass(value) and not isinstance(value, type)
+        else ""
+    )
     return TorchCallError(
         f"{fn_name}: {where} is {type(value).__name__} ({value!r:.60}), not a torch.Tensor; "
-        f"return tensors only (torch.tensor(value) for numbers).{cache}"
+        f"return tensors only (torch.tensor(value) for numbers).{cache}{node}"
     )
 
 
@@ -683,7 +692,25 @@ class _Runner:
         # process-wide]); the trace itself ran under the lock.
         self.grad_enabled = False
         self.forward_ad = False
-        return artifact.run(*inputs) if first is None else first
+        if first is not None:
+            return first
+        # NOTE [a graph first replayed by another runner]: without grad mode,
+        # as every replay runs; this call's grad mode was set before it.
+        with torch.no_grad():
+            return artifact.run(*inputs)
+
+    # NOTE [a graph first replayed by another runner]
+    # A graph outlives the runner that traced it (graph_mode's caches: a
+    # fresh jax.jit of the same step, a structure seen before), and a new
+    # runner's first call finds it traced and replays it at once. That call
+    # ran with the grad mode every eager first call starts with (on: NOTE
+    # [calls run with grad mode on]), where a replay runs without: the
+    # graph's in-place write into a parameter the function closes over
+    # (``with torch.no_grad(): self.w.mul_(0.9)`` in a forward, which the
+    # trace records without its no_grad region) was refused, "a leaf
+    # Variable that requires grad is being used in an in-place operation",
+    # on the second step of a loop that jits its step afresh, and every
+    # other graph recorded an autograd graph it never used.
 
     def _first_call_into(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         """Write into XLA's buffers from now on if they are laid out as the
