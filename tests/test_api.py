@@ -298,9 +298,14 @@ def test_64bit_outputs_without_x64_follow_jax_with_a_warning():
     assert not jax.config.jax_enable_x64
     f = t2j_ad.jaxify(lambda x: (x.double() * 3, x.argmax()))
     x = jnp.array([0.5, 2.0, 1.0], jnp.float32)
-    with pytest.warns(UserWarning, match="jax_enable_x64 is off"):
+    with pytest.warns(UserWarning, match="jax_enable_x64 is off") as record:
         y, idx = f(x)
     assert y.dtype == jnp.float32 and idx.dtype == jnp.int32
+    # Each warning names its output once: "for output[0]", not "for output output[0]".
+    assert [str(w.message).split(", but")[0].split(" for ")[1] for w in record] == ["output[0]", "output[1]"]
+    single = t2j_ad.jaxify(lambda x: x.double())
+    with pytest.warns(UserWarning, match=r"returns float64 for output, but jax_enable_x64 is off"):
+        single(x)
     assert_tree_allclose((y, idx), (x * 3, jnp.int32(1)))
     # The warning comes once per signature, not on every call.
     with warnings.catch_warnings():
