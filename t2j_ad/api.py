@@ -340,7 +340,7 @@ class JaxifiedFunction:
         # NOTE [recurrent modules without cuDNN]: every run of the function, trial runs too.
         raw = without_cudnn_in_recurrent_forwards(self._raw_fn(in_tree), modules)
         # NOTE [the attention fast path in a function's calls]: every run of it too.
-        raw = without_attention_fast_path(raw, modules)
+        raw = without_attention_fast_path(raw, modules, self.torch_fn)
         flat = self._flat_fn(raw)
         # Before the runs below, which may register (lazy modules). NOTE [a
         # name rebound after a call]

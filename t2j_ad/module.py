@@ -114,7 +114,7 @@ import jax
 import torch
 
 from .api import JaxifiedFunction, check_batch_argnums
-from .attention_fast_path import fast_path_off
+from .attention_fast_path import HOLDS_IT, fast_path_off
 from .convert import call_device, copy_to_jax, jax_dtype, torch_device, torch_dtype
 from .module_modes import refuse_uninitialized
 from .module_structure import ModuleChangedError
@@ -398,13 +398,16 @@ def _note_recast_params(
 
 
 def _dtypes_held(module: torch.nn.Module) -> dict[str, torch.dtype]:
-    """The dtype of each parameter and buffer of ``module``, by name."""
-    return {name: t.dtype for name, t in [*module.named_parameters(), *module.named_buffers()]}
+    """The dtype of each buffer of ``module``, by name. Not its parameters:
+    inside a call they are the ``params`` bound (float64 ``params`` for a
+    float32 module were named as the module cast to float64, which it was
+    not), and a cast that reached only them fails no call."""
+    return {name: t.dtype for name, t in module.named_buffers()}
 
 
 def _note_module_recast(err: Exception, module: torch.nn.Module, wrapped: Mapping[str, torch.dtype]) -> None:
-    """Name, on ``err`` (a failure inside the module), the parameters and
-    buffers cast since ``jaxify_module`` (``wrapped``: their dtypes then):
+    """Name, on ``err`` (a failure inside the module), the buffers cast
+    since ``jaxify_module`` (``wrapped``: their dtypes then):
     ``module.double()`` after it left float32 ``params`` beside float64
     buffers, and PyTorch failed with "expected scalar type Float but found
     Double", which names neither the cast nor the fix."""
@@ -557,6 +560,7 @@ def jaxify_module(
             return out
 
     forward.__qualname__ = f"{type(module).__name__}.forward"
+    setattr(forward, HOLDS_IT, True)  # no second hold around it (attention_fast_path.py)
     nums = check_batch_argnums(batch_argnums)
     shifted = None if nums is None else tuple(i + 1 for i in nums)  # params come first
     jaxified = JaxifiedFunction(

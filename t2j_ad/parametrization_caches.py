@@ -16,9 +16,10 @@ first step's loss for the second's parameters. So a module call sets
 aside the entries of the modules it binds tensors into, lets its forward
 cache and read its own (a weight read twice in one forward is computed
 once, as ``cached()`` promises), and puts the set-aside entries back when
-the forward ends, dropping its own. Outside ``cached()`` (the count
-``parametrize`` keeps is 0) nothing is done: two attribute reads and a
-reused ``nullcontext`` per call, 0.4 us.
+the forward ends, dropping its own (walking a copy of the dict's keys:
+another thread's forward in the same block adds entries meanwhile).
+Outside ``cached()`` (the count ``parametrize`` keeps is 0) nothing is
+done: two attribute reads and a reused ``nullcontext`` per call, 0.4 us.
 A function that closes over the module (``jaxify(lambda x: model(x))``)
 reads the module's own parameters, whose cached weight is right for every
 call, and is left alone (NOTE [trial runs leave caches as they found them]
@@ -49,12 +50,17 @@ def own_parametrization_cache(module_ids: frozenset[int]) -> contextlib.Abstract
 
 @contextlib.contextmanager
 def _entries_of_this_call(cache: dict[Any, Any], module_ids: frozenset[int]) -> Iterator[None]:
+    # ``list(cache)``, a copy made in one C call: a forward on another thread
+    # inside the same block adds its own modules' entries meanwhile, and a
+    # walk over the dict itself raised "dictionary changed size during
+    # iteration" out of this call's forward.
     set_aside: dict[Any, Any] = {key: cache.pop(key) for key in list(cache) if _of(key, module_ids)}
     try:
         yield
     finally:
-        for key in [key for key in cache if _of(key, module_ids)]:
-            del cache[key]
+        for key in list(cache):
+            if _of(key, module_ids):
+                cache.pop(key, None)
         cache.update(set_aside)
 
 

@@ -180,6 +180,45 @@ def _on_cuda(args: Sequence[torch.Tensor]) -> bool:
     return any(a.is_cuda for a in args)
 
 
+def _example_call(g: Flat, args: Sequence[torch.Tensor], in_dims: tuple[int | None, ...], i: int) -> tuple[Any, ...]:
+    """``g`` on example ``i`` of ``args``, each laid out as an unbatched call's input.
+
+    NOTE [each example of the loop from offset 0]
+    An unbatched call's input is a whole XLA buffer: storage offset 0. The
+    loop's ``select(d, i)`` is a view at offset ``i * stride``, and
+    ``as_strided`` with an explicit ``storage_offset`` counts from the
+    storage's start, not the view's: ``x.as_strided(size, stride, 0)`` read
+    example 0's entries for every example, silently (``torch.vmap`` counts
+    from each example's start, as the unbatched call does). So an example
+    not at offset 0 goes in as a copy of its own (a copy of each batched
+    argument per call, beside a Python call per example). A write into it
+    is copied back into the input, where the runtime's version check
+    refuses it (InputMutationError) as it refused a write into the view.
+    """
+    examples: list[Any] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for a, d in zip(args, in_dims):
+        if d is None:
+            examples.append(a)
+            continue
+        row = a.select(d, i)
+        try:
+            own = row.storage_offset() == 0
+        except (RuntimeError, NotImplementedError):  # a tensor without storage
+            own = False
+        if not own:
+            copy = row.clone()
+            copies.append((row, copy))
+            row = copy
+        examples.append(row)
+    result = g(*examples)
+    for row, copy in copies:
+        if copy._version:
+            with torch.no_grad():
+                row.copy_(copy)
+    return result
+
+
 def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], base: Any, prefix: Any) -> Flat:
     in_dims, size = t.in_dims, t.axis_size
     token = token_input(base)
@@ -192,7 +231,7 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
         if size == 0:
             device = args[0].device if args else None  # the call's, as every output's must be
             return tuple(torch.empty((0,) + o.shape, dtype=torch_dtype(o.dtype), device=device) for o in outs)
-        rows = [g(*[a if d is None else a.select(d, i) for a, d in zip(args, in_dims)]) for i in range(size)]
+        rows = [_example_call(g, args, in_dims, i) for i in range(size)]
         return tuple(torch.stack([r[j] for r in rows]) for j in range(len(outs)))
 
     def expand_dims(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -250,6 +289,7 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
         return asked_for(broadcast_all)
 
     batched = t.avals(ins, outs)[1]
+    wanted = tuple(torch_dtype(a.dtype) for a in batched)  # the dtype check's fast path
 
     def checked_expand_dims(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # A batching rule of PyTorch's that returns the wrong shape counts as
@@ -261,12 +301,12 @@ def _make_vmap(t: Vmap, g: Flat, ins: tuple[Aval, ...], outs: tuple[Aval, ...], 
         # each example's call gives float64). JAX's dtype of the result
         # (with x64 off, a float64 one arrives as float32) is compared.
         results = expand_dims(*args)
-        for i, (r, aval) in enumerate(zip(results, batched)):
+        for i, (r, aval, want) in enumerate(zip(results, batched, wanted)):
             if tuple(r.shape) != aval.shape:
                 raise RuntimeError(
                     f"torch.vmap returned output {i} with shape {tuple(r.shape)}, but batching gives {aval.shape}"
                 )
-            if canonical_jax_dtype(jax_dtype(r.dtype)) != aval.dtype:
+            if r.dtype is not want and canonical_jax_dtype(jax_dtype(r.dtype)) != aval.dtype:
                 raise RuntimeError(
                     f"torch.vmap returned output {i} of dtype {r.dtype}, but each example's call gives "
                     f"{torch_dtype(aval.dtype)}"

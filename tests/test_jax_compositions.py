@@ -3,6 +3,8 @@ checkpointing and custom rules, each held against the same math in jax.numpy."""
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,3 +98,49 @@ def test_integer_and_symbolic_zero_tangents_beside_float_ones():
     g = jax.grad(lambda a, n: f(a, n, c)[0].sum(), (0, 1), allow_int=True)(a, n)
     assert_tree_allclose(g[0], n.astype(a.dtype))
     assert np.asarray(g[1]).dtype == jax.dtypes.float0
+
+
+# NOTE [each example of the loop from offset 0] in t2j_ad/transforms.py
+
+
+@pytest.mark.parametrize("method", METHODS + ["auto, looping"])
+def test_windows_from_an_explicit_storage_offset_read_each_examples_own_entries(method):
+    # as_strided's storage_offset counts from the storage's start: 0 is an
+    # unbatched input's first entry, and torch.vmap's example's. The loop's
+    # example was a view at offset i * stride, and every example read the
+    # first example's entries, silently.
+    def windows(t):
+        return t.as_strided((3, 2), (1, 1), 0) * 1.0
+
+    def looping(t):  # data-dependent Python: torch.vmap refuses, 'auto' loops
+        return windows(t) * (1.0 if t.sum().item() > 0 else -1.0)
+
+    def reference(t):
+        return jnp.stack([t[0:2], t[1:3], t[2:4]])
+
+    if method == "auto, looping":
+        f = t2j_ad.jaxify(looping)
+        ref = lambda t: reference(t) * jnp.where(t.sum() > 0, 1.0, -1.0)  # noqa: E731
+    else:
+        f, ref = t2j_ad.jaxify(windows, vmap_method=method), reference
+    x = jnp.arange(12.0).reshape(3, 4) - 7.5
+    loss = lambda g: lambda t: (g(t) ** 2 * t[:3, None]).sum()  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", t2j_ad.FallbackWarning)
+        assert_tree_allclose(jax.vmap(f)(x), jax.vmap(ref)(x))
+        assert_tree_allclose(jax.vmap(f, in_axes=1)(x.T), jax.vmap(ref)(x))
+        assert_tree_allclose(jax.vmap(jax.grad(loss(f)))(x), jax.vmap(jax.grad(loss(ref)))(x))
+
+
+def test_a_write_into_an_example_of_the_loop_is_still_refused():
+    # The loop hands an example not at offset 0 a copy; a write into it is
+    # copied back, so the runtime's version check refuses it as before.
+    def writes(t):
+        if t.device.type != "meta":  # not while inferring the output shapes
+            t.add_(1.0)
+        return t * 2
+
+    f = t2j_ad.jaxify(writes, vmap_method="sequential")
+    for _ in range(2):  # the first call, on copies, and a later one
+        with pytest.raises(Exception, match="mutated input"):
+            jax.block_until_ready(jax.vmap(f)(jnp.arange(6.0).reshape(3, 2)))

@@ -134,3 +134,85 @@ def test_a_graph_first_replayed_by_a_fresh_jit_runs_without_grad_mode(x64):
         assert_tree_allclose(value, jnp.asarray(to_numpy(expected.detach())))
         assert_tree_allclose(grad, jnp.asarray(to_numpy(expected_grad)))
         np.testing.assert_allclose(to_numpy(lin.weight.detach()), to_numpy(reference.weight.detach()))
+
+
+def test_module_calls_inside_parametrize_cached_beside_another_threads_forwards():
+    """NOTE [a module call's own parametrization cache]: the call walked the
+    dict itself to drop its own entries, and a forward on another thread
+    caching its weights in the same block meanwhile made it raise
+    "dictionary changed size during iteration" out of the call."""
+    import sys
+    import threading
+    import time
+
+    from torch.nn.utils import parametrizations, parametrize
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1)).to(TORCH_DEVICE)
+    parametrizations.orthogonal(module[0])
+    apply, params = t2j_ad.jaxify_module(module)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
+    expected = jnp.asarray(to_numpy(module(to_torch(x)).detach()))
+    stop = threading.Event()
+    weight = torch.zeros(1)
+
+    def other_thread():  # stands for forwards caching other modules' weights
+        while not stop.is_set():
+            parametrize._cache[(-1, "weight")] = weight
+            time.sleep(5e-5)
+            parametrize._cache.pop((-1, "weight"), None)
+            time.sleep(5e-5)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        with parametrize.cached():
+            parametrize._cache.update({(-2 - i, "weight"): weight for i in range(2000)})  # a long walk
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            try:
+                got = [apply(params, x) for _ in range(30)]
+            finally:
+                stop.set()
+                thread.join()
+            assert len(parametrize._cache) == 2000  # the block's other entries kept, this call's own dropped
+    finally:
+        sys.setswitchinterval(interval)
+    for y in got:
+        assert_tree_allclose(y, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_module_call_holds_the_attention_fast_path_off_once(monkeypatch):
+    """NOTE [the attention fast path in a function's calls]: jaxify_module's
+    forward, which refers to its module, was wrapped in a second hold of the
+    switch around its own: one more lock and two settings per call."""
+    from t2j_ad.attention_fast_path import fast_path_off
+
+    encoder = _frozen_encoder()
+    apply, params = t2j_ad.jaxify_module(encoder)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 8)), jnp.float32)
+    apply(params, x)  # resolved
+    holds = []
+    off = fast_path_off.off
+    monkeypatch.setattr(fast_path_off, "off", lambda: (holds.append(1), off()))
+    got = apply(params, x)
+    assert len(holds) == 1
+    xt = to_torch(x).requires_grad_()  # PyTorch's composite ops
+    assert_tree_allclose(got, jnp.asarray(to_numpy(encoder(xt).detach())), rtol=1e-5, atol=1e-5)
+    assert torch.backends.mha.get_fastpath_enabled() and not fast_path_off._held
+
+
+def test_float64_params_for_a_float32_module_are_not_named_as_a_cast_of_the_module(x64):
+    """The cast note read the module's parameters inside the call, where they
+    are the params bound: float64 params for a float32 module (whose float32
+    buffers then fail PyTorch's batch_norm) were named as "the module was cast
+    after jaxify_module wrapped it (0.weight float32 -> float64, ...)"."""
+    module = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh()).to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(module, compile="eager")
+    wide = jax.tree.map(lambda a: a.astype(jnp.float64), params)
+    x = jnp.ones((2, 3), jnp.float64)
+    with pytest.raises(Exception) as failure:
+        apply(wide, x)
+    assert "expected scalar type" in str(failure.value)
+    assert "the module was cast" not in str(failure.value)
+    assert_tree_allclose(apply(params, x.astype(jnp.float32)), jnp.asarray(to_numpy(module(to_torch(x).float()))))
