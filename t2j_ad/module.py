@@ -148,27 +148,53 @@ def _warn_narrowed_params_beside_wide_buffers(module: torch.nn.Module, params: M
 _WIDE = (torch.float64, torch.complex128)
 
 
+def buffers_held(slots: _TensorSlots) -> dict[str, torch.Tensor]:
+    """The buffers the module holds now, by the key ``named_buffers()`` gives
+    each (NOTE [buffers replaced after jaxify_module])."""
+    return {key: table[name] for table, name, key in slots.buffers}
+
+
 class _BuffersByDevice:
-    """A module's buffers on each device calls run on (NOTE [a module's devices])."""
+    """A module's buffers on each device calls run on (NOTE [a module's devices]).
 
-    def __init__(self, module: torch.nn.Module):
-        self.home = dict(module.named_buffers())
+    NOTE [buffers replaced after jaxify_module]
+    The buffers a call copies to its device are those the module holds at
+    the call (``buffers_held``, read under the module's locks), not those it
+    held when ``jaxify_module`` ran: a buffer replaced since (``m.scale =
+    torch.full(...)``, ``load_state_dict(assign=True)``, ``module.double()``)
+    was copied from the old tensor on every call off the module's device,
+    and shape inference (on the ``meta`` device) ran on the old tensor's
+    shape and dtype: the call failed with a mismatch whose advice
+    (``t2j_ad.clear_caches()``) did not help, and on a GPU a CPU module's
+    replaced statistics would have been read stale, silently. A copy is
+    kept per device with the tensors it was made from (by identity, so a
+    replaced buffer is copied afresh) and their versions (so one written in
+    place is too)."""
+
+    def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.copies: dict[torch.device, tuple[tuple[int, ...], dict[str, torch.Tensor]]] = {}
+        self.copies: dict[torch.device, tuple[tuple[torch.Tensor, ...], tuple[int, ...], dict[str, torch.Tensor]]] = {}
 
-    def on(self, device: torch.device | None) -> dict[str, torch.Tensor]:
-        if device is None or all(b.device == device for b in self.home.values()):
-            return self.home
-        versions = tuple(b._version for b in self.home.values())
+    def on(self, device: torch.device | None, home: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``home`` (the module's buffers now), or copies of them on ``device``."""
+        if device is None or all(b.device == device for b in home.values()):
+            return home
+        sources = tuple(home.values())
+        versions = tuple(b._version for b in sources)
         with self.lock:
             cached = self.copies.get(device)
-            if cached is not None and cached[0] == versions:
-                return cached[1]
-            moved = {name: b.to(device) for name, b in self.home.items()}
+            if (
+                cached is not None
+                and cached[1] == versions
+                and len(cached[0]) == len(sources)
+                and all(map(operator.is_, cached[0], sources))
+            ):
+                return cached[2]
+            moved = {name: b.to(device) for name, b in home.items()}
             # Only real tensors are kept: a trace (fake or meta tensors) gets
             # its own copies, which must not leak into later calls.
             if device.type != "meta" and all(type(b) is torch.Tensor for b in moved.values()):
-                self.copies[device] = (versions, moved)
+                self.copies[device] = (sources, versions, moved)
             return moved
 
 
@@ -521,20 +547,22 @@ def jaxify_module(
             )
     params = {name: copy_to_jax(p, device) for name, p in module.named_parameters()}
     _warn_narrowed_params_beside_wide_buffers(module, params)
-    buffers = _BuffersByDevice(module)
-    # NOTE [a module's devices]: copied now to where the parameters went.
-    buffers.on(torch_device(_first_device(params.values(), device)))
+    buffers = _BuffersByDevice()
     slots_now = _SlotsNow(module, list(params))  # read and rewalked under the module's locks
+    # NOTE [a module's devices]: copied now to where the parameters went.
+    buffers.on(torch_device(_first_device(params.values(), device)), buffers_held(slots_now.slots))
 
     def forward(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        on_device = buffers.on(_call_device(params, args, kwargs))
-        # On their own device the module runs on its buffers as they are, so a
-        # forward that binds a new buffer keeps it, as in PyTorch; elsewhere on
-        # copies. NOTE [binding tensors into a module]
-        copies = None if on_device is buffers.home else on_device
         # The module as it is now, as functional_call found it. NOTE [one module, many threads]
         with contextlib.ExitStack() as held:
             slots = held.enter_context(_holding_locks(slots_now))
+            # NOTE [buffers replaced after jaxify_module]
+            home = buffers_held(slots)
+            on_device = buffers.on(_call_device(params, args, kwargs), home)
+            # On their own device the module runs on its buffers as they are, so a
+            # forward that binds a new buffer keeps it, as in PyTorch; elsewhere on
+            # copies. NOTE [binding tensors into a module]
+            copies = None if on_device is home else on_device
             held.enter_context(_fast_path_off)
             if slots_now.unbound:
                 raise _unbound_params_error(module, slots_now.unbound)

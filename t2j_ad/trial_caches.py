@@ -111,7 +111,9 @@ def changed_entries(table: Any, saved: dict[Any, Any]) -> list[tuple[Any, Any, A
     or a module's table) that is not what ``saved``, a copy made before,
     holds; ``ABSENT`` for a value it did not, or does not, have."""
     changed = []
-    for key in [*saved, *(k for k in table.keys() if k not in saved)]:
+    # list(table): one C call, so another thread's write into the table
+    # meanwhile (a forward filling a shared cache) cannot break the walk.
+    for key in [*saved, *(k for k in list(table) if k not in saved)]:
         old, new = saved.get(key, ABSENT), table.get(key, ABSENT)
         if old is not new:
             changed.append((key, old, new))
@@ -140,7 +142,7 @@ def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
     if isinstance(value, (tuple, list)) and len(value) <= _ENTRIES:
         return [t for v in value for t in _tensors_in(v, depth + 1)]
     if isinstance(value, dict) and len(value) <= _ENTRIES:
-        return [t for v in value.values() for t in _tensors_in(v, depth + 1)]
+        return [t for v in list(value.values()) for t in _tensors_in(v, depth + 1)]
     return []
 
 
@@ -335,7 +337,7 @@ def dicts_named_by(
     fill])."""
     found = {id(d): d for d in reachable(fn, lambda obj: type(obj) is dict, stop=(torch.nn.Module,))}
     for d in list(found.values()):  # holder.cache[n] = ... in an object the code names
-        for value in d.values() if len(d) <= _ENTRIES else ():
+        for value in list(d.values()) if len(d) <= _ENTRIES else ():
             # cache.layers[i].keys: the objects a list of it holds, as
             # transformers' DynamicCache holds its tensors
             entries = value if isinstance(value, (list, tuple)) and len(value) <= _ENTRIES else (value,)

@@ -189,7 +189,7 @@ def test_a_module_call_holds_the_attention_fast_path_off_once(monkeypatch):
     from t2j_ad.attention_fast_path import fast_path_off
 
     encoder = _frozen_encoder()
-    apply, params = t2j_ad.jaxify_module(encoder)
+    apply, params = t2j_ad.jaxify_module(encoder, compile="eager")  # a graph's replay runs no forward
     x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 8)), jnp.float32)
     apply(params, x)  # resolved
     holds = []
@@ -216,3 +216,35 @@ def test_float64_params_for_a_float32_module_are_not_named_as_a_cast_of_the_modu
     assert "expected scalar type" in str(failure.value)
     assert "the module was cast" not in str(failure.value)
     assert_tree_allclose(apply(params, x.astype(jnp.float32)), jnp.asarray(to_numpy(module(to_torch(x).float()))))
+
+
+class _ScaledLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("scale", torch.ones(3))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_a_buffer_replaced_after_jaxify_module_is_the_one_each_call_reads():
+    """NOTE [buffers replaced after jaxify_module]: the buffers a call copies
+    to its device (here: the meta device of shape inference) were those the
+    module held when jaxify_module ran, so a buffer replaced since, of
+    another shape, failed the next new signature's call with a shape
+    mismatch (and on a GPU, a CPU module's replaced buffer was read stale)."""
+    torch.manual_seed(0)
+    module = _ScaledLinear().to(TORCH_DEVICE)
+    apply, params = t2j_ad.jaxify_module(module)
+    apply(params, jnp.ones((2, 3)))
+    module.scale = torch.linspace(1.0, 2.0, 12, device=TORCH_DEVICE).reshape(4, 1, 3)  # replaced, another shape
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(5, 3)), jnp.float32)
+    y = apply(params, x)
+    with torch.no_grad():
+        assert_tree_allclose(y, to_numpy(module(to_torch(x))), rtol=1e-6, atol=1e-6)
+    g = jax.grad(lambda p: jnp.sum(apply(p, x) ** 2))(params)
+    xt = to_torch(x)
+    module.zero_grad()
+    (module(xt) ** 2).sum().backward()
+    assert_tree_allclose(g["lin.weight"], to_numpy(module.lin.weight.grad), rtol=1e-5, atol=1e-5)
