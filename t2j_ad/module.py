@@ -9,7 +9,8 @@ by DLPack), and its parameters land where the inputs will be. The buffers
 (``BatchNorm`` statistics, masks, tables) stay torch tensors, passed as
 constants; each call uses them on the device the call runs on, copied there
 once per device and copied again only after the module changed them in place
-(their ``_version`` moved), and bound in the module for the length of the
+(their ``_version`` moved) or replaced them (NOTE [buffers replaced after
+jaxify_module]), and bound in the module for the length of the
 call (NOTE [binding tensors into a module]). The copy for the parameters'
 device is made when the module is jaxified: a graph-mode trace there then finds real tensors to
 take in as constants (its own copies would be fake tensors, and the graph
