@@ -69,6 +69,31 @@ def _tuples_made_plain(out: Any) -> Any:
     return out
 
 
+def _sequences_as_tuples(out: Any) -> Any:
+    """``out`` with every list and tuple in it made a plain tuple, through
+    dicts too: what tells a structure from one that differs only in the kind
+    of its sequences."""
+    if isinstance(out, (tuple, list)):
+        return tuple(_sequences_as_tuples(o) for o in out)
+    if type(out) is dict:
+        return {k: _sequences_as_tuples(v) for k, v in out.items()}
+    return out
+
+
+def _sequence_kinds_differ(out: Any, expected: Any) -> str:
+    """A hint for results whose structure differs from ``expected`` (a
+    treedef) only in lists against tuples: ``output_shapes=[a, b]`` for a
+    function that returns ``(a, b)``; "" otherwise."""
+    declared = jax.tree_util.tree_unflatten(expected, [0] * expected.num_leaves)
+    returned = jax.tree_util.tree_structure(_sequences_as_tuples(out), is_leaf=_is_output_leaf)
+    if returned != jax.tree_util.tree_structure(_sequences_as_tuples(declared)):
+        return ""
+    return (
+        ". The two differ only in lists against tuples: declare output_shapes with the kind of sequence "
+        "the function returns (a tuple for `return a, b`), as JAX's outputs follow it"
+    )
+
+
 def _arg_name(path: tuple[Any, ...]) -> str:
     """``args[0]['w']`` / ``kwargs['lr']`` for a path into ``(args, kwargs)``."""
     head, rest = path[0], path[1:]
@@ -321,7 +346,11 @@ class JaxifiedFunction:
                 if expected == _ONE_LEAF and isinstance(out, (tuple, list)) and len(out) == 1:
                     raise one_in_a_sequence(name, out)
                 raise wrong_structure(
-                    name, out, expected.num_leaves, f": it returned the structure {tree}, where {expected} was expected"
+                    name,
+                    out,
+                    expected.num_leaves,
+                    f": it returned the structure {tree}, where {expected} was expected"
+                    f"{_sequence_kinds_differ(out, expected)}",
                 )
             for path, leaf in with_paths:
                 if not isinstance(leaf, torch.Tensor):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 import torch
 from conftest import assert_tree_allclose
 
@@ -60,3 +61,19 @@ def test_strided_aliased_and_mixed_outputs_under_grad_and_vmap():
     assert_tree_allclose(jax.jit(jax.grad(loss(f)))(x), jax.jit(jax.grad(loss(_jax_layouts)))(x))
     xs = jnp.stack([x, 0.5 - x])
     assert_tree_allclose(jax.vmap(f)(xs), jax.jit(jax.vmap(_jax_layouts))(xs))
+
+
+def test_output_shapes_declaring_a_list_for_a_returned_tuple_names_the_kind():
+    """output_shapes=[a, b] for ``return a, b``: refused as JAX's pure_callback
+    refuses a result structure other than the declared one, with a message
+    that says the two differ only in lists against tuples."""
+    sds = jax.ShapeDtypeStruct((3,), jnp.float32)
+    f = t2j_ad.jaxify(lambda x: (x, x * 2), output_shapes=[sds, sds])
+    with pytest.raises(Exception, match="differ only in lists against tuples"):
+        f(jnp.ones(3))
+    g = t2j_ad.jaxify(lambda x: (x, x * 2), output_shapes=(sds, sds))
+    assert_tree_allclose(g(jnp.ones(3)), (jnp.ones(3), 2 * jnp.ones(3)))
+    h = t2j_ad.jaxify(lambda x: {"a": x}, output_shapes={"b": sds})  # another structure: no such hint
+    with pytest.raises(Exception, match="was expected") as info:
+        h(jnp.ones(3))
+    assert "lists against tuples" not in str(info.value)
