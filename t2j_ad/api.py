@@ -56,27 +56,18 @@ def _is_output_leaf(x: Any) -> bool:
     return x is None or isinstance(x, torch.Tensor)
 
 
-def _tuples_made_plain(out: Any) -> Any:
+def _tuples_made_plain(out: Any, lists_too: bool = False) -> Any:
     """``out`` with every tuple subclass in it (a namedtuple, ``torch.max``'s
     ``return_types``) made a plain tuple, through tuples, lists and dicts:
-    where ``output_shapes`` declares a tuple, a tuple subclass is one."""
-    if isinstance(out, tuple):
-        return tuple(_tuples_made_plain(o) for o in out)
+    where ``output_shapes`` declares a tuple, a tuple subclass is one. With
+    ``lists_too``, every list too: what tells a structure from one that
+    differs only in lists against tuples."""
+    if isinstance(out, tuple) or (lists_too and type(out) is list):
+        return tuple(_tuples_made_plain(o, lists_too) for o in out)
     if type(out) is list:
         return [_tuples_made_plain(o) for o in out]
     if type(out) is dict:
-        return {k: _tuples_made_plain(v) for k, v in out.items()}
-    return out
-
-
-def _sequences_as_tuples(out: Any) -> Any:
-    """``out`` with every list and tuple in it made a plain tuple, through
-    dicts too: what tells a structure from one that differs only in the kind
-    of its sequences."""
-    if isinstance(out, (tuple, list)):
-        return tuple(_sequences_as_tuples(o) for o in out)
-    if type(out) is dict:
-        return {k: _sequences_as_tuples(v) for k, v in out.items()}
+        return {k: _tuples_made_plain(v, lists_too) for k, v in out.items()}
     return out
 
 
@@ -85,8 +76,8 @@ def _sequence_kinds_differ(out: Any, expected: Any) -> str:
     treedef) only in lists against tuples: ``output_shapes=[a, b]`` for a
     function that returns ``(a, b)``; "" otherwise."""
     declared = jax.tree_util.tree_unflatten(expected, [0] * expected.num_leaves)
-    returned = jax.tree_util.tree_structure(_sequences_as_tuples(out), is_leaf=_is_output_leaf)
-    if returned != jax.tree_util.tree_structure(_sequences_as_tuples(declared)):
+    returned = jax.tree_util.tree_structure(_tuples_made_plain(out, lists_too=True), is_leaf=_is_output_leaf)
+    if returned != jax.tree_util.tree_structure(_tuples_made_plain(declared, lists_too=True)):
         return ""
     return (
         ". The two differ only in lists against tuples: declare output_shapes with the kind of sequence "

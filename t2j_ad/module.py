@@ -149,19 +149,15 @@ def _warn_narrowed_params_beside_wide_buffers(module: torch.nn.Module, params: M
 _WIDE = (torch.float64, torch.complex128)
 
 
-def buffers_held(slots: _TensorSlots) -> dict[str, torch.Tensor]:
-    """The buffers the module holds now, by the key ``named_buffers()`` gives
-    each (NOTE [buffers replaced after jaxify_module])."""
-    return {key: table[name] for table, name, key in slots.buffers}
-
-
 class _BuffersByDevice:
     """A module's buffers on each device calls run on (NOTE [a module's devices]).
 
     NOTE [buffers replaced after jaxify_module]
     The buffers a call copies to its device are those the module holds at
-    the call (``buffers_held``, read under the module's locks), not those it
-    held when ``jaxify_module`` ran: a buffer replaced since (``m.scale =
+    the call (``_TensorSlots.home_buffers``, taken by the walk of the
+    module's tables, made again under the module's locks whenever a table
+    changed: NOTE [binding tensors into a module]), not those it held when
+    ``jaxify_module`` ran: a buffer replaced since (``m.scale =
     torch.full(...)``, ``load_state_dict(assign=True)``, ``module.double()``)
     was copied from the old tensor on every call off the module's device,
     and shape inference (on the ``meta`` device) ran on the old tensor's
@@ -210,6 +206,9 @@ class _TensorSlots:
             keys.setdefault(id(tensor), key)
         self.params: list[tuple[dict[str, Any], str, str]] = []
         self.buffers: list[tuple[dict[str, Any], str, str]] = []
+        # The module's own buffers as the walk found them, by key (NOTE
+        # [buffers replaced after jaxify_module]).
+        self.home_buffers: dict[str, torch.Tensor] = {}
         self.modules = [sub for _, sub in module.named_modules()]  # each once
         self.module_ids = frozenset(map(id, self.modules))  # NOTE [a graph inside a module call's bindings]
         for sub in self.modules:
@@ -219,12 +218,7 @@ class _TensorSlots:
             for name, held in sub._buffers.items():
                 if held is not None:
                     self.buffers.append((sub._buffers, name, keys[id(held)]))
-
-
-# PyTorch's attention fast path, off within the block (NOTE [PyTorch's
-# inference fast path]); blocks on several threads nest. One switch with the
-# calls of functions closing over attention layers (attention_fast_path.py).
-_fast_path_off = fast_path_off
+                    self.home_buffers[keys[id(held)]] = held
 
 
 def _tables_held(modules: list[torch.nn.Module]) -> list[Any]:
@@ -551,20 +545,22 @@ def jaxify_module(
     buffers = _BuffersByDevice()
     slots_now = _SlotsNow(module, list(params))  # read and rewalked under the module's locks
     # NOTE [a module's devices]: copied now to where the parameters went.
-    buffers.on(torch_device(_first_device(params.values(), device)), buffers_held(slots_now.slots))
+    buffers.on(torch_device(_first_device(params.values(), device)), slots_now.slots.home_buffers)
 
     def forward(params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         # The module as it is now, as functional_call found it. NOTE [one module, many threads]
         with contextlib.ExitStack() as held:
             slots = held.enter_context(_holding_locks(slots_now))
             # NOTE [buffers replaced after jaxify_module]
-            home = buffers_held(slots)
+            home = slots.home_buffers
             on_device = buffers.on(_call_device(params, args, kwargs), home)
             # On their own device the module runs on its buffers as they are, so a
             # forward that binds a new buffer keeps it, as in PyTorch; elsewhere on
             # copies. NOTE [binding tensors into a module]
             copies = None if on_device is home else on_device
-            held.enter_context(_fast_path_off)
+            # PyTorch's attention fast path, off within the block (NOTE
+            # [PyTorch's inference fast path]); blocks on several threads nest.
+            held.enter_context(fast_path_off)
             if slots_now.unbound:
                 raise _unbound_params_error(module, slots_now.unbound)
             place = place_for_release()  # NOTE [a nested call's bindings are its own]
